@@ -1,0 +1,86 @@
+#pragma once
+/// \file deferred.h
+/// Deferred weight gradients: the layers that queue them, running them, and the per-parameter
+/// grad-ready hooks that data-parallel and sharded reducers hang their collectives on.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace splitgrad {
+
+/// A layer's registration with the deferred-wgrad store (RAII). Its id is what the `linear` op's
+/// `layer_id` names. Destroying it frees the tensors of any work still queued for the layer (with a
+/// warning that names the layer: those contributions are lost).
+class LayerHandle {
+ public:
+  explicit LayerHandle(std::string name);
+  ~LayerHandle();
+  LayerHandle(const LayerHandle&) = delete;
+  LayerHandle& operator=(const LayerHandle&) = delete;
+
+  int64_t id() const { return id_; }
+  std::string name() const;
+  void set_name(std::string name);
+  /// Unregisters the layer now (the destructor does it otherwise): frees the tensors of the work it
+  /// still had queued and returns how many items that was. Idempotent.
+  int64_t release();
+  /// Number of deferred wgrad items queued for this layer.
+  int64_t pending() const;
+  /// Runs this layer's deferred wgrad for the oldest backward pass still pending: all of that
+  /// pass's items (a layer applied several times in one forward queues one item per application).
+  /// Throws c10::Error naming the layer if nothing is pending.
+  void backward_dw();
+
+ private:
+  int64_t id_;
+  bool released_ = false;
+};
+
+/// Runs every pending deferred wgrad in the process, oldest first.
+void backward_dw_all();
+
+/// How many deferred wgrad items are waiting (all layers).
+int64_t pending_wgrads();
+
+/// Names of the layers with pending work; with `params` non-empty, only the layers whose pending
+/// work feeds one of them.
+std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params = {});
+
+/// Called with the parameter once all of a backward pass's contributions to it have landed.
+using GradReadyHook = std::function<void(const at::Tensor& param)>;
+
+/// A registered grad-ready hook; remove() unregisters it (idempotent). Destroying the handle does
+/// not remove the hook.
+class GradReadyHookHandle {
+ public:
+  GradReadyHookHandle() = default;
+  void remove();
+  bool active() const { return state_ != nullptr; }
+
+ private:
+  friend GradReadyHookHandle register_grad_ready_hook(const at::Tensor&, GradReadyHook);
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+/// Calls `hook(param)` exactly once per backward pass that contributes to `param`, after the last
+/// contribution of that pass has landed — immediate (autograd, regular layers) or deferred
+/// (backward_dw), from any layer or ordinary autograd op. `param` must be a leaf that requires grad.
+GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
+
+/// Sets where a parameter's fp32 gradient buffer lives for fuse_wgrad_accumulation (Megatron's
+/// `param.main_grad`) for C++ callers. An undefined `main_grad` clears it.
+void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad);
+/// The buffer set by set_main_grad(), or an undefined tensor.
+at::Tensor main_grad(const at::Tensor& param);
+
+/// Called with each parameter right after a wgrad was accumulated into its main_grad (the Python
+/// package sets `param.grad_added_to_main_grad = True` from it). Empty function: none.
+void set_main_grad_accumulated_callback(std::function<void(const at::Tensor& param)> callback);
+
+}  // namespace splitgrad

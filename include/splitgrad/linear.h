@@ -1,0 +1,84 @@
+#pragma once
+/// \file linear.h
+/// splitgrad::Linear, in the torch::nn style: y = x·Wᵀ + b, whose weight gradient can be deferred
+/// to backward_dw() (delay_wgrad_compute) and accumulated into an fp32 main_grad
+/// (fuse_wgrad_accumulation).
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+#include <torch/arg.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "splitgrad/deferred.h"
+
+namespace splitgrad {
+
+/// Options for Linear; the keywords are Transformer Engine's te.Linear ones.
+/// \code
+/// splitgrad::Linear fc(splitgrad::LinearOptions(1024, 4096).bias(false).delay_wgrad_compute(true));
+/// \endcode
+struct LinearOptions {
+  LinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  /// Whether the layer has a bias.
+  TORCH_ARG(bool, bias) = true;
+  /// Queue the weight/bias gradient in backward; compute it in backward_dw().
+  TORCH_ARG(bool, delay_wgrad_compute) = false;
+  /// Accumulate the weight/bias gradient into the fp32 buffers set with set_main_grad() instead of
+  /// `.grad` (Megatron's main_grad).
+  TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
+  /// Parameter dtype (default: torch's default dtype).
+  TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
+  /// Parameter device (default: CUDA when available, else the CPU).
+  TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// Name used in messages about this layer (default: "Linear(in, out)#id").
+  TORCH_ARG(std::string, name) = "";
+};
+
+class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features)
+      : LinearImpl(LinearOptions(in_features, out_features)) {}
+  explicit LinearImpl(const LinearOptions& options);
+
+  /// Creates the parameters (as nn.Linear initialises them) and registers the layer.
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// y = x·Wᵀ + b for x of shape [*, in_features].
+  torch::Tensor forward(const torch::Tensor& input);
+
+  /// Runs this layer's deferred wgrad for the oldest backward pass still pending. Does nothing for
+  /// a layer built with delay_wgrad_compute=false; throws if a delayed layer has nothing pending.
+  void backward_dw();
+  /// Deferred wgrad items queued for this layer.
+  int64_t pending_wgrads() const;
+
+  /// Makes this layer use `weight` (typically another layer's) as its weight: the two share one
+  /// parameter, and every contribution to it accumulates.
+  void tie_weight(const torch::Tensor& weight);
+  /// Likewise for the bias (this layer must have one).
+  void tie_bias(const torch::Tensor& bias);
+
+  /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters (TE's name).
+  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
+
+  LinearOptions options;
+  torch::Tensor weight;
+  torch::Tensor bias;
+
+ private:
+  std::shared_ptr<LayerHandle> layer_;
+};
+
+/// A ModuleHolder for LinearImpl (`splitgrad::Linear fc(16, 16); fc->forward(x)`).
+TORCH_MODULE(Linear);
+
+}  // namespace splitgrad

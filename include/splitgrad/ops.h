@@ -1,0 +1,58 @@
+#pragma once
+/// \file ops.h
+/// The linear-layer operators, called through the PyTorch dispatcher (so autograd, tracing and
+/// torch.compile see them). Shapes: `input` [*, in_features], `weight` [out_features, in_features],
+/// `bias` [out_features], `grad_output` [*, out_features] with the same leading dims as `input`.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace splitgrad::ops {
+
+/// fprop: y = x·Wᵀ + b.
+/// \param input  x, [*, in_features]
+/// \param weight W, [out_features, in_features]
+/// \param bias   b, [out_features], or nullopt
+/// \return y, [*, out_features]
+at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias);
+
+/// dgrad: dx = dy·W.
+/// \param grad_output dy, [*, out_features]
+/// \param weight      W, [out_features, in_features]
+/// \return dx, [*, in_features]
+at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight);
+
+/// wgrad into fresh tensors: dW = dyᵀ·x over all leading dims, db = Σ dy.
+/// \param grad_output       dy, [*, out_features]
+/// \param input             x, [*, in_features]
+/// \param compute_bias_grad whether to compute db; when false the second result is empty ([0])
+/// \return (dW [out_features, in_features], db [out_features] or [0]), in the inputs' dtype
+std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
+                                                const at::Tensor& input, bool compute_bias_grad);
+
+/// wgrad accumulated in place: `+=`, never `=`. weight_grad += dyᵀ·x, bias_grad += Σ dy, computed
+/// in weight_grad's dtype (fp32 main_grad for bf16/fp16 inputs).
+/// \param weight_grad [out_features, in_features], modified in place
+/// \param bias_grad   [out_features], modified in place, or nullopt for no bias gradient
+void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
+                              const at::Tensor& weight_grad,
+                              const std::optional<at::Tensor>& bias_grad);
+
+/// The differentiable linear layer: y = x·Wᵀ + b, whose backward computes dgrad at once and the
+/// weight/bias gradients either at once (delay_wgrad_compute=false) or queued for backward_dw().
+/// \param weight_main_grad fp32 [out_features, in_features] buffer the weight gradient is added to
+///        (fuse_wgrad_accumulation), or nullopt to accumulate into weight.grad
+/// \param bias_main_grad   likewise for the bias; with nullopt the bias gradient goes to bias.grad
+/// \param layer_id         the layer registered with the deferred-wgrad store (0: none; then
+///        delay_wgrad_compute must be false)
+at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias,
+                  const std::optional<at::Tensor>& weight_main_grad,
+                  const std::optional<at::Tensor>& bias_main_grad, int64_t layer_id,
+                  bool delay_wgrad_compute);
+
+}  // namespace splitgrad::ops

@@ -1,0 +1,7 @@
+#pragma once
+/// \file splitgrad.h
+/// The splitgrad C++ API: linear layers whose weight gradient can be deferred to backward_dw(),
+/// with gradients that equal plain autograd's for any tying, reuse, micro-batching and order.
+#include "splitgrad/deferred.h"
+#include "splitgrad/linear.h"
+#include "splitgrad/ops.h"

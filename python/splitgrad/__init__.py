@@ -1,0 +1,37 @@
+"""splitgrad: linear layers whose deferred weight gradients equal plain autograd's.
+
+``import splitgrad as te`` runs code written for transformer_engine.pytorch.Linear's
+delayed-wgrad API (``delay_wgrad_compute=True``, ``backward_dw()``, ``fuse_wgrad_accumulation``).
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension that links it)
+
+from . import _C  # registers torch.ops.splitgrad.* and the deferred-wgrad store
+from ._deferred import (
+    backward_dw_all,
+    get_pending_work_policy,
+    layers_with_pending_wgrads,
+    pending_wgrads,
+    register_grad_ready_hook,
+    set_pending_work_policy,
+)
+from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
+from ._linear import Linear, name_layers
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Linear",
+    "backward_dw_all",
+    "pending_wgrads",
+    "layers_with_pending_wgrads",
+    "register_grad_ready_hook",
+    "set_pending_work_policy",
+    "get_pending_work_policy",
+    "name_layers",
+    "ArgumentError",
+    "DTypeError",
+    "MainGradError",
+    "PendingWgradError",
+    "PendingWgradWarning",
+]

@@ -1,0 +1,130 @@
+"""The process-wide deferred-wgrad API, and the checks that no deferred work is forgotten."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import warnings
+from typing import Callable, Iterable
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import _C
+from ._errors import PendingWgradError, PendingWgradWarning
+
+__all__ = [
+    "backward_dw_all",
+    "pending_wgrads",
+    "layers_with_pending_wgrads",
+    "register_grad_ready_hook",
+    "set_pending_work_policy",
+    "get_pending_work_policy",
+]
+
+
+def backward_dw_all() -> None:
+    """Run every pending deferred wgrad in the process, oldest first."""
+    _C.backward_dw_all()
+
+
+def pending_wgrads() -> int:
+    """How many deferred wgrad items are waiting (all layers)."""
+    return _C.pending_wgrads()
+
+
+def layers_with_pending_wgrads(params: Iterable[torch.Tensor] | None = None) -> list[str]:
+    """Names of the layers with pending deferred work (only work feeding ``params``, if given)."""
+    return _C.layers_with_pending_wgrads(list(params) if params is not None else [])
+
+
+def register_grad_ready_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], None]):
+    """Call ``fn(param)`` exactly once per backward pass, after the last contribution to ``param``
+    of that pass has landed (immediate or deferred, from any layer or ordinary autograd op).
+
+    Returns a handle whose ``remove()`` unregisters the hook.
+    """
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"register_grad_ready_hook: expected a torch.Tensor parameter, got {type(param).__name__}")
+    if not callable(fn):
+        raise TypeError(f"register_grad_ready_hook: expected a callable hook, got {type(fn).__name__}")
+    return _C.register_grad_ready_hook(param, fn)
+
+
+_POLICIES = ("warn", "error")
+_policy = "warn"
+
+
+def set_pending_work_policy(policy: str) -> None:
+    """What ``optimizer.zero_grad()``, ``optimizer.step()``, ``module.zero_grad()`` and
+    ``state_dict()`` do when deferred wgrad work is pending: ``"warn"`` (a PendingWgradWarning;
+    the work stays queued) or ``"error"`` (a PendingWgradError; nothing is changed)."""
+    global _policy
+    if policy not in _POLICIES:
+        raise ValueError(f"set_pending_work_policy: expected one of {_POLICIES}, got {policy!r}")
+    _policy = policy
+
+
+def get_pending_work_policy() -> str:
+    return _policy
+
+
+def check_no_pending(action: str, params: Iterable[torch.Tensor] | None = None) -> None:
+    """Warn or raise (per the policy) if deferred work feeding ``params`` (or any) is pending."""
+    if _C.pending_wgrads() == 0:
+        return
+    layers = layers_with_pending_wgrads(params)
+    if not layers:
+        return
+    message = (
+        f"{action} while deferred wgrad work is pending for layer(s) {', '.join(repr(n) for n in layers)}: "
+        "their weight gradients have not been computed yet. Call backward_dw() on those layers "
+        "(or splitgrad.backward_dw_all()) first."
+    )
+    if _policy == "error":
+        raise PendingWgradError(message)
+    warnings.warn(message, PendingWgradWarning, stacklevel=3)
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _install_guards() -> None:
+    """Make optimizer.step()/zero_grad() and Module.zero_grad() report pending deferred work."""
+
+    def step_pre_hook(optimizer, args, kwargs):
+        check_no_pending(f"{type(optimizer).__name__}.step()", _optimizer_params(optimizer))
+
+    register_optimizer_step_pre_hook(step_pre_hook)
+
+    # zero_grad has no hook in PyTorch: wrap it (behaviour unchanged when nothing is pending).
+    optimizer_zero_grad = torch.optim.Optimizer.zero_grad
+
+    @functools.wraps(optimizer_zero_grad)
+    def guarded_optimizer_zero_grad(self, *args, **kwargs):
+        if _C.pending_wgrads():
+            check_no_pending(f"{type(self).__name__}.zero_grad()", _optimizer_params(self))
+        return optimizer_zero_grad(self, *args, **kwargs)
+
+    module_zero_grad = torch.nn.Module.zero_grad
+
+    @functools.wraps(module_zero_grad)
+    def guarded_module_zero_grad(self, *args, **kwargs):
+        if _C.pending_wgrads():
+            check_no_pending(f"{type(self).__name__}.zero_grad()", list(self.parameters()))
+        return module_zero_grad(self, *args, **kwargs)
+
+    torch.optim.Optimizer.zero_grad = guarded_optimizer_zero_grad
+    torch.nn.Module.zero_grad = guarded_module_zero_grad
+
+
+def _mark_grad_added_to_main_grad(param: torch.Tensor) -> None:
+    # Megatron's contract: tell its grad hooks that the gradient already went into main_grad.
+    if hasattr(param, "grad_added_to_main_grad"):
+        param.grad_added_to_main_grad = True
+
+
+_install_guards()
+_C.set_main_grad_accumulated_callback(_mark_grad_added_to_main_grad)
+atexit.register(_C.set_main_grad_accumulated_callback, None)

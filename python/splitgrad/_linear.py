@@ -1,0 +1,243 @@
+"""splitgrad.Linear: a drop-in for transformer_engine.pytorch.Linear's delayed-wgrad API."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from typing import Callable
+
+import torch
+from torch import nn
+
+from . import _C
+from ._deferred import check_no_pending, register_grad_ready_hook
+from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarning
+
+__all__ = ["Linear", "name_layers"]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+@torch.compiler.disable
+def _linear_delayed(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id):
+    # Deferred work must be queued with real tensors, never inside a traced graph.
+    return torch.ops.splitgrad.linear(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, True)
+
+
+class Linear(nn.Module):
+    """y = x·Wᵀ + b, whose weight and bias gradients can be deferred to :meth:`backward_dw`.
+
+    Args (Transformer Engine's te.Linear keywords):
+        in_features, out_features: sizes of x's last dimension and of y's.
+        bias: whether the layer has a bias.
+        params_dtype: parameter dtype (default: torch's default dtype).
+        device: parameter device (default: CUDA when available, else the CPU).
+        delay_wgrad_compute: queue the weight/bias gradient in backward; compute it in backward_dw().
+        fuse_wgrad_accumulation: add the weight/bias gradient in fp32 into ``param.main_grad``
+            (set by the caller, as Megatron does) instead of ``param.grad``; sets
+            ``param.grad_added_to_main_grad = True`` where that attribute exists.
+        init_method: called on the weight to initialise it (default: nn.Linear's initialisation).
+        name: used in messages about this layer (default ``"Linear(in, out)#id"``; see name_layers).
+
+    Parameters live on the module: tie them by assignment (``model[1].weight = model[0].weight``);
+    every contribution to a shared parameter accumulates.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | int | None = None,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        name: str | None = None,
+        **unsupported,
+    ) -> None:
+        super().__init__()
+        if unsupported:
+            raise TypeError(
+                f"splitgrad.Linear got keyword argument(s) it does not support: {sorted(unsupported)}"
+            )
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ArgumentError(f"splitgrad.Linear: expected a positive int {arg}, got {value!r}")
+        if params_dtype is not None and not (isinstance(params_dtype, torch.dtype) and params_dtype.is_floating_point):
+            raise DTypeError(f"splitgrad.Linear: expected a floating-point params_dtype, got {params_dtype!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.delay_wgrad_compute = bool(delay_wgrad_compute)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        factory = {
+            "device": torch.device(device) if device is not None else _default_device(),
+            "dtype": params_dtype if params_dtype is not None else torch.get_default_dtype(),
+        }
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self._layer = _C.LayerHandle(name or "")
+        self._layer_id = self._layer.id
+        if not name:
+            self._layer.name = f"Linear({in_features}, {out_features})#{self._layer_id}"
+        self._reduce_hooks: list[Callable] = []
+        self._reduce_hook_handles: list = []
+        self.register_state_dict_pre_hook(Linear._state_dict_pre_hook)
+        self.reset_parameters(init_method)
+
+    def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
+        with torch.no_grad():
+            if init_method is not None:
+                init_method(self.weight)
+            else:
+                nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+            if self.bias is not None:
+                bound = 1.0 / math.sqrt(self.in_features)
+                nn.init.uniform_(self.bias, -bound, bound)
+
+    @property
+    def name(self) -> str:
+        return self._layer.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._layer.name = str(value)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+        """y = inp·Wᵀ + b for ``inp`` of shape [*, in_features].
+
+        ``is_first_microbatch`` is accepted for te.Linear compatibility; it does not change the
+        gradients (they accumulate over micro-batches either way).
+        """
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{self.name}: expected a torch.Tensor input, got {type(inp).__name__}")
+        weight_main_grad = bias_main_grad = None
+        if self.fuse_wgrad_accumulation:
+            weight_main_grad = self._main_grad_of(self.weight, "weight")
+            if self.bias is not None:
+                bias_main_grad = self._main_grad_of(self.bias, "bias")
+        try:
+            if self.delay_wgrad_compute:
+                return _linear_delayed(inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id)
+            return torch.ops.splitgrad.linear(
+                inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id, False
+            )
+        except ValueError as error:
+            kind = MainGradError if "main_grad" in str(error) else ArgumentError
+            raise kind(str(error)) from None
+        except TypeError as error:
+            raise DTypeError(str(error)) from None
+
+    def _main_grad_of(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+        if not param.requires_grad:
+            return None
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is None:
+            raise MainGradError(
+                f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
+                f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set"
+            )
+        if not isinstance(main_grad, torch.Tensor):
+            raise MainGradError(
+                f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
+                f"got {type(main_grad).__name__}"
+            )
+        return main_grad
+
+    def backward_dw(self) -> None:
+        """Run this layer's deferred wgrad for the oldest backward pass still pending.
+
+        Does nothing when the layer was built with delay_wgrad_compute=False (as in TE); raises
+        RuntimeError naming the layer when a delayed layer has nothing pending.
+        """
+        if self.delay_wgrad_compute:
+            self._layer.backward_dw()
+
+    def pending_wgrads(self) -> int:
+        """Deferred wgrad items queued for this layer."""
+        return self._layer.pending()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable) -> None:
+        """TE's name: run ``hook`` for each parameter of this layer once its gradient for a backward
+        pass is complete (after the last contribution, from this or any layer it is tied to).
+        ``hook(param)`` is called if it takes an argument, else ``hook()`` as in TE."""
+        if not callable(hook):
+            raise TypeError(f"expected a callable hook, got {type(hook).__name__}")
+        self._reduce_hooks.append(hook)
+        self._install_reduce_hooks()
+
+    def _install_reduce_hooks(self) -> None:
+        for handle in self._reduce_hook_handles:
+            handle.remove()
+        self._reduce_hook_handles = []
+        for hook in self._reduce_hooks:
+            call = hook if _takes_an_argument(hook) else (lambda _param, hook=hook: hook())
+            for param in (self.weight, self.bias):
+                if param is not None and param.requires_grad:
+                    self._reduce_hook_handles.append(register_grad_ready_hook(param, call))
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in ("weight", "bias") and self.__dict__.get("_reduce_hooks"):
+            self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
+
+    def __setstate__(self, state):
+        # deepcopy / unpickling gives the copy a layer registration of its own; keep the id in step
+        super().__setstate__(state)
+        self._layer_id = self._layer.id
+        self._reduce_hook_handles = []
+        if self._reduce_hooks:
+            self._install_reduce_hooks()
+
+    @staticmethod
+    def _state_dict_pre_hook(module, prefix, keep_vars):
+        if module._layer.pending():
+            check_no_pending(f"state_dict() of '{module.name}'", [p for p in (module.weight, module.bias) if p is not None])
+
+    def __del__(self):
+        layer = self.__dict__.get("_layer")
+        if layer is None:
+            return
+        dropped = layer.release()
+        if dropped:
+            warnings.warn(
+                f"splitgrad layer '{layer.name}' was deleted with {dropped} deferred wgrad item(s) "
+                "pending: their stashed tensors were freed and those gradient contributions discarded. "
+                "Call backward_dw() before deleting a layer.",
+                PendingWgradWarning,
+                stacklevel=2,
+            )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"delay_wgrad_compute={self.delay_wgrad_compute}, "
+            f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, name={self.name!r}"
+        )
+
+
+def _takes_an_argument(fn: Callable) -> bool:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(
+        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters
+    )
+
+
+def name_layers(model: nn.Module, prefix: str = "") -> None:
+    """Name every splitgrad.Linear in ``model`` after its path (``"blocks.0.fc1"``), so messages
+    about pending work and errors say which layer they mean."""
+    for path, module in model.named_modules(prefix=prefix):
+        if isinstance(module, Linear):
+            module.name = path or type(model).__name__

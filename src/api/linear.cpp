@@ -1,0 +1,104 @@
+#include "splitgrad/linear.h"
+
+#include <torch/cuda.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#include "splitgrad/ops.h"
+
+namespace splitgrad {
+
+LinearImpl::LinearImpl(const LinearOptions& options_) : options(options_) { reset(); }
+
+void LinearImpl::reset() {
+  TORCH_CHECK_VALUE(options.in_features() > 0 && options.out_features() > 0,
+                    "splitgrad::Linear: expected positive in_features and out_features, got ",
+                    options.in_features(), " and ", options.out_features());
+  const at::Device device = options.device().value_or(
+      torch::cuda::is_available() ? at::Device(at::kCUDA) : at::Device(at::kCPU));
+  const auto tensor_options = torch::TensorOptions()
+                                  .dtype(options.params_dtype().value_or(
+                                      c10::typeMetaToScalarType(at::get_default_dtype())))
+                                  .device(device);
+  weight = register_parameter(
+      "weight", torch::empty({options.out_features(), options.in_features()}, tensor_options));
+  bias = options.bias()
+             ? register_parameter("bias", torch::empty({options.out_features()}, tensor_options))
+             : register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  std::string name = options.name();
+  layer_ = std::make_shared<LayerHandle>(name);
+  if (name.empty()) {
+    layer_->set_name(c10::str("Linear(", options.in_features(), ", ", options.out_features(), ")#",
+                              layer_->id()));
+  }
+  reset_parameters();
+}
+
+void LinearImpl::reset_parameters() {
+  // nn.Linear's initialisation: kaiming-uniform weight, uniform bias in ±1/sqrt(fan_in).
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (bias.defined()) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+void LinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "splitgrad::Linear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
+         << options.bias() << ", delay_wgrad_compute=" << options.delay_wgrad_compute()
+         << ", fuse_wgrad_accumulation=" << options.fuse_wgrad_accumulation() << ")";
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
+  std::optional<at::Tensor> weight_main_grad, bias_main_grad;
+  if (options.fuse_wgrad_accumulation()) {
+    auto fetch = [&](const torch::Tensor& param, const char* what) -> std::optional<at::Tensor> {
+      if (!param.defined() || !param.requires_grad()) return std::nullopt;
+      at::Tensor buffer = main_grad(param);
+      TORCH_CHECK_VALUE(buffer.defined(), "splitgrad layer '", layer_->name(),
+                        "': fuse_wgrad_accumulation=true needs the ", what,
+                        "'s main_grad (an fp32 tensor of shape ", param.sizes(),
+                        "); set it with splitgrad::set_main_grad()");
+      return buffer;
+    };
+    weight_main_grad = fetch(weight, "weight");
+    bias_main_grad = fetch(bias, "bias");
+  }
+  return ops::linear(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
+                     weight_main_grad, bias_main_grad, layer_->id(),
+                     options.delay_wgrad_compute());
+}
+
+void LinearImpl::backward_dw() {
+  if (options.delay_wgrad_compute()) layer_->backward_dw();
+}
+
+int64_t LinearImpl::pending_wgrads() const { return layer_->pending(); }
+
+void LinearImpl::tie_weight(const torch::Tensor& new_weight) {
+  TORCH_CHECK_VALUE(new_weight.sizes() == weight.sizes(), "splitgrad layer '", layer_->name(),
+                    "': tie_weight expected a weight of shape ", weight.sizes(), ", got ",
+                    new_weight.sizes());
+  parameters_["weight"] = new_weight;
+  weight = new_weight;
+}
+
+void LinearImpl::tie_bias(const torch::Tensor& new_bias) {
+  TORCH_CHECK_VALUE(bias.defined(), "splitgrad layer '", layer_->name(),
+                    "': tie_bias on a layer built with bias=false");
+  TORCH_CHECK_VALUE(new_bias.sizes() == bias.sizes(), "splitgrad layer '", layer_->name(),
+                    "': tie_bias expected a bias of shape ", bias.sizes(), ", got ",
+                    new_bias.sizes());
+  parameters_["bias"] = new_bias;
+  bias = new_bias;
+}
+
+void LinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
+  for (const auto& param : parameters(/*recurse=*/false)) {
+    if (param.requires_grad()) register_grad_ready_hook(param, hook);
+  }
+}
+
+}  // namespace splitgrad

@@ -1,0 +1,173 @@
+#include "core/grad_ledger.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+
+namespace splitgrad::core {
+
+GradLedger& GradLedger::instance() {
+  static GradLedger ledger;
+  return ledger;
+}
+
+GradLedger::ParamState& GradLedger::state_for(const at::Tensor& param) {
+  TORCH_INTERNAL_ASSERT(param.defined(), "GradLedger: undefined parameter");
+  Key key = param.unsafeGetTensorImpl();
+  auto it = params_.find(key);
+  if (it != params_.end() && it->second.impl.expired()) {
+    params_.erase(it);  // a dead tensor's address was reused
+    it = params_.end();
+  }
+  if (it == params_.end()) {
+    it = params_.emplace(key, ParamState{WeakTensor(param.getIntrusivePtr()), {}, {}}).first;
+  }
+  return it->second;
+}
+
+GradLedger::PassState& GradLedger::pass_state(const at::Tensor& param, PassId pass) {
+  ParamState& state = state_for(param);
+  auto [it, inserted] = state.passes.try_emplace(pass);
+  if (inserted) {
+    open_passes_[pass].push_back(param.unsafeGetTensorImpl());
+  }
+  return it->second;
+}
+
+uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
+  TORCH_CHECK(hook, "register_grad_ready_hook: the hook is empty");
+  std::lock_guard<std::mutex> lock(mutex_);
+  uint64_t key = next_hook_key_++;
+  state_for(param).hooks.emplace_back(key, std::move(hook));
+  return key;
+}
+
+bool GradLedger::remove_hook(const at::Tensor& param, uint64_t key) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = params_.find(param.unsafeGetTensorImpl());
+  if (it == params_.end()) return false;
+  auto& hooks = it->second.hooks;
+  auto pos = std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == key; });
+  if (pos == hooks.end()) return false;
+  hooks.erase(pos);
+  return true;
+}
+
+size_t GradLedger::hook_count(const at::Tensor& param) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = params_.find(param.unsafeGetTensorImpl());
+  return it == params_.end() || it->second.impl.expired() ? 0 : it->second.hooks.size();
+}
+
+bool GradLedger::open_pass(PassId pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return open_passes_.try_emplace(pass).second;
+}
+
+bool GradLedger::pass_open(PassId pass) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return open_passes_.count(pass) != 0;
+}
+
+void GradLedger::note_autograd_contribution(const at::Tensor& param, PassId pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  PassState& ps = pass_state(param, pass);
+  TORCH_INTERNAL_ASSERT(!ps.autograd_done,
+                        "GradLedger: autograd contribution after its pass ended (pass ", pass, ")");
+}
+
+void GradLedger::expect_deferred(const at::Tensor& param, PassId pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pass_state(param, pass).owed += 1;
+}
+
+void GradLedger::deferred_landed(const at::Tensor& param, PassId pass) {
+  std::vector<Firing> firings;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Key key = param.unsafeGetTensorImpl();
+    auto it = params_.find(key);
+    TORCH_INTERNAL_ASSERT(it != params_.end() && it->second.passes.count(pass),
+                          "GradLedger: a deferred contribution landed that was never expected");
+    PassState& ps = it->second.passes[pass];
+    TORCH_INTERNAL_ASSERT(ps.owed > 0, "GradLedger: more deferred contributions than expected");
+    ps.owed -= 1;
+    settle(key, pass, firings);
+  }
+  fire(firings);
+}
+
+void GradLedger::deferred_dropped(const at::Tensor& param, PassId pass) {
+  std::vector<Firing> firings;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    Key key = param.unsafeGetTensorImpl();
+    auto it = params_.find(key);
+    if (it == params_.end() || !it->second.passes.count(pass)) return;
+    PassState& ps = it->second.passes[pass];
+    ps.owed = std::max<int64_t>(0, ps.owed - 1);
+    ps.incomplete = true;
+    settle(key, pass, firings);
+  }
+  fire(firings);
+}
+
+void GradLedger::autograd_pass_finished(PassId pass) {
+  std::vector<Firing> firings;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto open = open_passes_.find(pass);
+    if (open == open_passes_.end()) return;
+    std::vector<Key> keys = std::move(open->second);
+    open_passes_.erase(open);
+    for (Key key : keys) {
+      auto it = params_.find(key);
+      if (it == params_.end()) continue;
+      auto ps = it->second.passes.find(pass);
+      if (ps == it->second.passes.end()) continue;
+      ps->second.autograd_done = true;
+      settle(key, pass, firings);
+    }
+  }
+  fire(firings);
+}
+
+void GradLedger::settle(Key key, PassId pass, std::vector<Firing>& out) {
+  auto it = params_.find(key);
+  if (it == params_.end()) return;
+  ParamState& state = it->second;
+  auto ps = state.passes.find(pass);
+  if (ps == state.passes.end() || !ps->second.autograd_done || ps->second.owed > 0) return;
+  const bool complete = !ps->second.incomplete;
+  state.passes.erase(ps);
+  at::Tensor param(state.impl.lock());
+  if (complete && param.defined() && !state.hooks.empty()) {
+    Firing firing{param, {}};
+    for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
+    out.push_back(std::move(firing));
+  }
+  if (state.passes.empty() && state.hooks.empty()) params_.erase(it);
+}
+
+void GradLedger::fire(std::vector<Firing>& firings) {
+  for (auto& firing : firings) {
+    for (auto& hook : firing.hooks) hook(firing.param);
+  }
+}
+
+int64_t GradLedger::pending_for(const at::Tensor& param) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = params_.find(param.unsafeGetTensorImpl());
+  if (it == params_.end() || it->second.impl.expired()) return 0;
+  int64_t owed = 0;
+  for (const auto& [pass, ps] : it->second.passes) owed += ps.owed;
+  return owed;
+}
+
+void GradLedger::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  params_.clear();
+  open_passes_.clear();
+}
+
+}  // namespace splitgrad::core

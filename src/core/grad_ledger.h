@@ -1,0 +1,97 @@
+#pragma once
+// The gradient ledger: per parameter, which backward passes still owe it a contribution, and the
+// grad-ready hooks to run once a pass's last contribution has landed. No CUDA, no Python.
+//
+// A "pass" is one autograd graph task (one `backward()` / `autograd.grad()` call). Contributions to
+// a parameter P in pass k come from two places:
+//   - autograd itself (AccumulateGrad, or a regular splitgrad layer writing main_grad in its
+//     backward): they have all landed when pass k's graph task ends;
+//   - deferred wgrad items queued during pass k: they land one by one in backward_dw().
+// P's hooks fire for pass k when both are over: the graph task has ended and no deferred item of
+// pass k for P is outstanding. So each hook runs exactly once per pass, after the last contribution.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace splitgrad::core {
+
+/// Identifies one backward pass (an autograd graph task id, or a synthetic negative id for work
+/// queued outside any graph task).
+using PassId = int64_t;
+
+/// Called with the parameter once its gradient for a pass is complete.
+using GradReadyHook = std::function<void(const at::Tensor& param)>;
+
+/// A tensor held without keeping it alive.
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+class GradLedger {
+ public:
+  static GradLedger& instance();
+
+  /// Adds `hook` to `param`'s grad-ready hooks; returns a key for remove_hook().
+  uint64_t add_hook(const at::Tensor& param, GradReadyHook hook);
+  /// Removes a hook; returns false if the key is unknown (already removed).
+  bool remove_hook(const at::Tensor& param, uint64_t key);
+  /// Number of grad-ready hooks registered for `param`.
+  size_t hook_count(const at::Tensor& param) const;
+
+  /// Starts tracking `pass`; returns true if this call started it (the caller then arranges for
+  /// autograd_pass_finished() to be called when the pass's graph task ends).
+  bool open_pass(PassId pass);
+  /// Pass `pass` made (or will have made, by its end) an autograd contribution to `param`.
+  void note_autograd_contribution(const at::Tensor& param, PassId pass);
+  /// A deferred contribution to `param` was queued in `pass`.
+  void expect_deferred(const at::Tensor& param, PassId pass);
+  /// A deferred contribution of `pass` to `param` landed. Fires hooks if it was the last one.
+  void deferred_landed(const at::Tensor& param, PassId pass);
+  /// A deferred contribution was dropped (failed check, layer deleted): it is no longer owed, but
+  /// the gradient of that pass is incomplete, so its hooks do not fire for that pass.
+  void deferred_dropped(const at::Tensor& param, PassId pass);
+  /// The autograd part of `pass` is over (its graph task ended). Fires the hooks of every parameter
+  /// of that pass that owes nothing more.
+  void autograd_pass_finished(PassId pass);
+
+  /// Deferred contributions still owed to `param`, over all passes.
+  int64_t pending_for(const at::Tensor& param) const;
+  /// True if the ledger has seen `pass` but not yet its autograd_pass_finished().
+  bool pass_open(PassId pass) const;
+
+  /// Forgets everything (tests only).
+  void reset();
+
+ private:
+  struct PassState {
+    int64_t owed = 0;          // deferred items queued and not yet landed or dropped
+    bool autograd_done = false;
+    bool incomplete = false;   // a contribution was dropped: do not fire for this pass
+  };
+  struct ParamState {
+    WeakTensor impl;  // the parameter itself is not kept alive by the ledger
+    std::vector<std::pair<uint64_t, GradReadyHook>> hooks;
+    std::unordered_map<PassId, PassState> passes;
+  };
+  using Key = const c10::TensorImpl*;
+  struct Firing {
+    at::Tensor param;
+    std::vector<GradReadyHook> hooks;
+  };
+
+  ParamState& state_for(const at::Tensor& param);  // requires mutex_
+  PassState& pass_state(const at::Tensor& param, PassId pass);  // requires mutex_
+  // Collects the hooks to fire for (param, pass) if it owes nothing; erases settled state.
+  void settle(Key key, PassId pass, std::vector<Firing>& out);  // requires mutex_
+  static void fire(std::vector<Firing>& firings);  // runs without the mutex held
+
+  mutable std::mutex mutex_;
+  std::unordered_map<Key, ParamState> params_;
+  std::unordered_map<PassId, std::vector<Key>> open_passes_;  // pass -> params touched by it
+  uint64_t next_hook_key_ = 1;
+};
+
+}  // namespace splitgrad::core

@@ -1,0 +1,142 @@
+#include "core/wgrad_store.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <iterator>
+
+namespace splitgrad::core {
+
+std::vector<at::Tensor> DeferredWgrad::targets() const {
+  std::vector<at::Tensor> out{weight};
+  if (bias.defined()) out.push_back(bias);
+  return out;
+}
+
+WgradStore& WgradStore::instance() {
+  static WgradStore store;
+  return store;
+}
+
+LayerId WgradStore::register_layer(std::string name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  LayerId id = next_layer_++;
+  names_.emplace(id, std::move(name));
+  queues_.emplace(id, std::deque<DeferredWgrad>{});
+  return id;
+}
+
+std::vector<DeferredWgrad> WgradStore::release_layer(LayerId layer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  names_.erase(layer);
+  auto it = queues_.find(layer);
+  if (it == queues_.end()) return {};
+  std::vector<DeferredWgrad> dropped(std::make_move_iterator(it->second.begin()),
+                                     std::make_move_iterator(it->second.end()));
+  pending_ -= dropped.size();
+  queues_.erase(it);
+  return dropped;
+}
+
+void WgradStore::rename_layer(LayerId layer, std::string name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = names_.find(layer);
+  TORCH_CHECK(it != names_.end(), "splitgrad: cannot rename unregistered layer ", layer);
+  it->second = std::move(name);
+}
+
+std::string WgradStore::layer_name(LayerId layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = names_.find(layer);
+  return it == names_.end() ? "<unregistered layer " + std::to_string(layer) + ">" : it->second;
+}
+
+bool WgradStore::is_registered(LayerId layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return names_.count(layer) != 0;
+}
+
+void WgradStore::push(DeferredWgrad item) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = queues_.find(item.layer);
+  TORCH_CHECK(it != queues_.end(), "splitgrad: cannot queue deferred wgrad for layer ", item.layer,
+              ": the layer is not registered (was it deleted?)");
+  item.seq = next_seq_++;
+  it->second.push_back(std::move(item));
+  pending_ += 1;
+}
+
+std::vector<DeferredWgrad> WgradStore::take_oldest_pass(LayerId layer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<DeferredWgrad> taken;
+  auto it = queues_.find(layer);
+  if (it == queues_.end() || it->second.empty()) return taken;
+  auto& queue = it->second;
+  const PassId pass = queue.front().pass;
+  // Items of one pass are usually contiguous; concurrent backward passes can interleave them.
+  auto keep = std::stable_partition(queue.begin(), queue.end(),
+                                    [&](const DeferredWgrad& item) { return item.pass == pass; });
+  taken.assign(std::make_move_iterator(queue.begin()), std::make_move_iterator(keep));
+  queue.erase(queue.begin(), keep);
+  pending_ -= taken.size();
+  return taken;
+}
+
+std::vector<DeferredWgrad> WgradStore::take_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<DeferredWgrad> taken;
+  taken.reserve(pending_);
+  for (auto& [layer, queue] : queues_) {
+    std::move(queue.begin(), queue.end(), std::back_inserter(taken));
+    queue.clear();
+  }
+  pending_ = 0;
+  std::sort(taken.begin(), taken.end(),
+            [](const DeferredWgrad& a, const DeferredWgrad& b) { return a.seq < b.seq; });
+  return taken;
+}
+
+void WgradStore::restore(std::vector<DeferredWgrad> items) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& item : items) {
+    auto it = queues_.find(item.layer);
+    if (it == queues_.end()) continue;  // the layer was released meanwhile: its work goes with it
+    auto& queue = it->second;
+    auto pos = std::upper_bound(
+        queue.begin(), queue.end(), item.seq,
+        [](uint64_t seq, const DeferredWgrad& other) { return seq < other.seq; });
+    queue.insert(pos, std::move(item));
+    pending_ += 1;
+  }
+}
+
+size_t WgradStore::pending() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return pending_;
+}
+
+size_t WgradStore::pending(LayerId layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = queues_.find(layer);
+  return it == queues_.end() ? 0 : it->second.size();
+}
+
+std::vector<LayerId> WgradStore::layers_with_pending(const std::vector<at::Tensor>& params) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto feeds = [&](const DeferredWgrad& item) {
+    if (params.empty()) return true;
+    for (const auto& target : item.targets()) {
+      for (const auto& p : params) {
+        if (p.defined() && p.unsafeGetTensorImpl() == target.unsafeGetTensorImpl()) return true;
+      }
+    }
+    return false;
+  };
+  std::vector<LayerId> layers;
+  for (const auto& [layer, queue] : queues_) {
+    if (std::any_of(queue.begin(), queue.end(), feeds)) layers.push_back(layer);
+  }
+  return layers;
+}
+
+}  // namespace splitgrad::core

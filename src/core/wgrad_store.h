@@ -1,0 +1,81 @@
+#pragma once
+// The deferred-wgrad store: the weight-gradient work that a backward pass of a layer built with
+// delay_wgrad_compute=True queued instead of running. FIFO per layer, and ordered globally by the
+// time it was queued. No CUDA, no Python: items hold tensors and say which parameters they feed;
+// running them is the ops layer's job (src/ops/deferred.cpp).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/grad_ledger.h"
+
+namespace splitgrad::core {
+
+/// Identifies a layer registered with the store (0 is "no layer").
+using LayerId = int64_t;
+
+/// One linear layer application's deferred wgrad: dW = dyᵀ·x (and db = Σ dy), to be added to the
+/// target parameters' gradients.
+struct DeferredWgrad {
+  LayerId layer = 0;
+  PassId pass = 0;           ///< the backward pass that queued it
+  uint64_t seq = 0;          ///< global queue order, set by WgradStore::push
+  at::Tensor input;          ///< x, [tokens, in_features]
+  at::Tensor grad_output;    ///< dy, [tokens, out_features]
+  uint32_t input_version = 0;        ///< x's version counter when stashed
+  uint32_t grad_output_version = 0;  ///< dy's version counter when stashed
+  at::Tensor weight;         ///< the weight parameter the gradient belongs to
+  at::Tensor bias;           ///< the bias parameter, or undefined when there is no bias gradient
+  at::Tensor weight_main_grad;  ///< fp32 accumulation buffer (fuse_wgrad_accumulation), or undefined
+  at::Tensor bias_main_grad;    ///< likewise for the bias
+
+  /// The parameters this item contributes to (weight, then bias if any).
+  std::vector<at::Tensor> targets() const;
+};
+
+class WgradStore {
+ public:
+  static WgradStore& instance();
+
+  /// Registers a layer; its name appears in every message about its work.
+  LayerId register_layer(std::string name);
+  /// Unregisters a layer and returns the items it still had queued (the caller accounts for them).
+  std::vector<DeferredWgrad> release_layer(LayerId layer);
+  void rename_layer(LayerId layer, std::string name);
+  /// The layer's name, or "<unregistered layer N>".
+  std::string layer_name(LayerId layer) const;
+  bool is_registered(LayerId layer) const;
+
+  /// Queues an item at the back of its layer's FIFO. The layer must be registered.
+  void push(DeferredWgrad item);
+  /// Takes the layer's items of the oldest pass it has pending (all of them: a layer applied several
+  /// times in one forward queues several items in one pass). Empty if the layer has none.
+  std::vector<DeferredWgrad> take_oldest_pass(LayerId layer);
+  /// Takes every queued item, oldest first.
+  std::vector<DeferredWgrad> take_all();
+  /// Puts items taken earlier back in place (same order as before they were taken).
+  void restore(std::vector<DeferredWgrad> items);
+
+  /// Number of queued items, in all layers or in one.
+  size_t pending() const;
+  size_t pending(LayerId layer) const;
+  /// Layers that have queued items, in registration order. With `params` non-empty, only those whose
+  /// items feed one of `params`.
+  std::vector<LayerId> layers_with_pending(const std::vector<at::Tensor>& params = {}) const;
+
+ private:
+  mutable std::mutex mutex_;
+  LayerId next_layer_ = 1;
+  uint64_t next_seq_ = 1;
+  size_t pending_ = 0;
+  std::map<LayerId, std::string> names_;
+  std::map<LayerId, std::deque<DeferredWgrad>> queues_;
+};
+
+}  // namespace splitgrad::core

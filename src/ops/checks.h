@@ -1,0 +1,48 @@
+#pragma once
+// Argument checks shared by every entry point, so each rule and its message is written once.
+// `who` names the caller in messages ("splitgrad layer 'fc1'", "splitgrad::linear_fprop"); it is
+// called only when a check fails, so the fast path builds no string.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/FunctionRef.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace splitgrad::detail {
+
+using Who = c10::function_ref<std::string()>;
+
+/// A Who for a fixed name: `check_wgrad_args(named("splitgrad::linear_wgrad"), ...)`.
+inline auto named(const char* name) {
+  return [name] { return std::string(name); };
+}
+
+/// `sizes` with its last entry replaced: the output shape of a linear map over [*, features].
+std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last);
+
+/// "torch.bfloat16" for BFloat16, as Python users write it.
+std::string dtype_name(at::ScalarType type);
+
+/// input [*, in_features] and weight [out, in] (and bias [out]) of one floating dtype, one device.
+void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias);
+
+/// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.
+void check_wgrad_args(Who who, const at::Tensor& grad_output,
+                      const at::Tensor& input);
+
+/// grad_output [*, out_features] for a weight [out_features, in_features].
+void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& weight);
+
+/// check_wgrad_args, plus the accumulation targets: weight_grad [out, in], bias_grad [out].
+void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
+                                 const at::Tensor& weight_grad,
+                                 const std::optional<at::Tensor>& bias_grad);
+
+/// main_grad: fp32, param's shape, param's device (Megatron's contract).
+void check_main_grad(Who who, const std::string& param_name,
+                     const at::Tensor& main_grad, const at::Tensor& param);
+
+}  // namespace splitgrad::detail

@@ -1,0 +1,284 @@
+// Running deferred wgrad work, the grad-ready hooks API, and main_grad bookkeeping.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+#include "ops/deferred_internal.h"
+#include "splitgrad/deferred.h"
+#include "splitgrad/ops.h"
+
+namespace splitgrad {
+
+using core::DeferredWgrad;
+using core::GradLedger;
+using core::WgradStore;
+
+namespace detail {
+
+std::string layer_label(core::LayerId layer) {
+  return "splitgrad layer '" + WgradStore::instance().layer_name(layer) + "'";
+}
+
+namespace {
+std::atomic<core::PassId> next_synthetic_pass{-2};
+}
+
+PassScope::PassScope() {
+  const int task = torch::autograd::get_current_graph_task_id();
+  auto& ledger = GradLedger::instance();
+  if (task < 0) {
+    id_ = next_synthetic_pass.fetch_sub(1);
+    owns_pass_ = true;
+    ledger.open_pass(id_);
+    return;
+  }
+  id_ = task;
+  owns_pass_ = false;
+  if (ledger.open_pass(id_)) {
+    const core::PassId pass = id_;
+    torch::autograd::Engine::get_default_engine().queue_callback(
+        [pass] { GradLedger::instance().autograd_pass_finished(pass); });
+  }
+}
+
+PassScope::~PassScope() {
+  if (owns_pass_) GradLedger::instance().autograd_pass_finished(id_);
+}
+
+namespace {
+std::mutex callback_mutex;
+std::function<void(const at::Tensor&)> main_grad_callback;
+
+// What AccumulateGrad does with a new gradient: take it if there is none, else add in place.
+void add_to_grad(const at::Tensor& param, const at::Tensor& grad) {
+  TORCH_INTERNAL_ASSERT(grad.sizes() == param.sizes());
+  at::Tensor& current = param.mutable_grad();
+  if (!current.defined()) {
+    current = grad.strides() == param.strides() ? grad : at::empty_like(param).copy_(grad);
+  } else {
+    current.add_(grad);
+  }
+}
+}  // namespace
+
+void notify_main_grad_accumulated(const at::Tensor& param) {
+  std::function<void(const at::Tensor&)> callback;
+  {
+    std::lock_guard<std::mutex> lock(callback_mutex);
+    callback = main_grad_callback;
+  }
+  if (callback) callback(param);
+}
+
+void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
+                      const WgradSinks& sinks) {
+  at::NoGradGuard no_grad;
+  const bool want_weight = sinks.weight.defined();
+  const bool want_bias = sinks.bias.defined();
+  if (!want_weight && !want_bias) return;
+  const bool fused = sinks.weight_main_grad.defined() || sinks.bias_main_grad.defined();
+  if (fused && want_weight) {
+    // One GEMM adds dW (and db) straight into the fp32 buffers.
+    ops::linear_wgrad_accumulate_(grad_output, input, sinks.weight_main_grad,
+                                  want_bias ? std::optional<at::Tensor>(sinks.bias_main_grad)
+                                            : std::nullopt);
+    notify_main_grad_accumulated(sinks.weight);
+    if (want_bias) notify_main_grad_accumulated(sinks.bias);
+    return;
+  }
+  auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, want_bias);
+  if (want_weight) add_to_grad(sinks.weight, weight_grad);
+  if (want_bias) {
+    if (sinks.bias_main_grad.defined()) {  // frozen weight, fused bias
+      sinks.bias_main_grad.add_(bias_grad);
+      notify_main_grad_accumulated(sinks.bias);
+    } else {
+      add_to_grad(sinks.bias, bias_grad);
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+// Why an item can no longer run (a stashed tensor changed in place), or "" if it can.
+std::string stale_reason(const DeferredWgrad& item) {
+  auto check = [&](const at::Tensor& t, uint32_t saved, const char* what) -> std::string {
+    const uint32_t now = t._version();
+    if (now == saved) return "";
+    return c10::str(detail::layer_label(item.layer), ": the ", what,
+                    " stashed for its deferred weight gradient was modified in place after the "
+                    "backward pass that queued it (its version is now ",
+                    now, "; ", saved,
+                    " was stashed). That item was dropped and no gradient was written for it. "
+                    "Run backward_dw() before modifying the tensor, or modify a clone.");
+  };
+  std::string reason = check(item.input, item.input_version, "input");
+  if (reason.empty()) reason = check(item.grad_output, item.grad_output_version, "grad_output");
+  return reason;
+}
+
+void drop(const DeferredWgrad& item) {
+  for (const auto& target : item.targets()) GradLedger::instance().deferred_dropped(target, item.pass);
+}
+
+// Runs items in order. Items whose stashed tensors changed are dropped and reported; then nothing
+// runs and the others go back on the queue, so one call either runs everything or nothing.
+void run(std::vector<DeferredWgrad> items) {
+  auto& store = WgradStore::instance();
+  std::string error;
+  std::vector<DeferredWgrad> runnable;
+  runnable.reserve(items.size());
+  for (auto& item : items) {
+    std::string reason = stale_reason(item);
+    if (reason.empty()) {
+      runnable.push_back(std::move(item));
+    } else {
+      drop(item);
+      if (error.empty()) error = std::move(reason);
+    }
+  }
+  if (!error.empty()) {
+    store.restore(std::move(runnable));
+    TORCH_CHECK(false, error);
+  }
+  for (size_t i = 0; i < runnable.size(); ++i) {
+    DeferredWgrad& item = runnable[i];
+    try {
+      detail::accumulate_wgrad(item.grad_output, item.input,
+                               {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
+    } catch (...) {
+      drop(item);
+      store.restore(std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
+                                               std::make_move_iterator(runnable.end())));
+      throw;
+    }
+    const core::PassId pass = item.pass;
+    const std::vector<at::Tensor> targets = item.targets();
+    item = DeferredWgrad{};  // free the stashed activations before the hooks run
+    for (const auto& target : targets) GradLedger::instance().deferred_landed(target, pass);
+  }
+}
+
+}  // namespace
+
+LayerHandle::LayerHandle(std::string name) : id_(WgradStore::instance().register_layer(std::move(name))) {}
+
+LayerHandle::~LayerHandle() {
+  const std::string label = detail::layer_label(id_);
+  if (const int64_t dropped = release()) {
+    TORCH_WARN(label, " was destroyed with ", dropped,
+               " deferred wgrad item(s) pending; their stashed tensors were freed and those "
+               "gradient contributions were discarded. Call backward_dw() before deleting a layer.");
+  }
+}
+
+int64_t LayerHandle::release() {
+  if (released_) return 0;
+  released_ = true;
+  std::vector<DeferredWgrad> dropped = WgradStore::instance().release_layer(id_);
+  for (const auto& item : dropped) drop(item);
+  return static_cast<int64_t>(dropped.size());
+}
+
+std::string LayerHandle::name() const { return WgradStore::instance().layer_name(id_); }
+void LayerHandle::set_name(std::string name) { WgradStore::instance().rename_layer(id_, std::move(name)); }
+int64_t LayerHandle::pending() const { return static_cast<int64_t>(WgradStore::instance().pending(id_)); }
+
+void LayerHandle::backward_dw() {
+  std::vector<DeferredWgrad> items = WgradStore::instance().take_oldest_pass(id_);
+  TORCH_CHECK(!items.empty(), detail::layer_label(id_),
+              ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
+              "this layer (run a backward pass through it first, or check that it was built with "
+              "delay_wgrad_compute=True)");
+  run(std::move(items));
+}
+
+void backward_dw_all() { run(WgradStore::instance().take_all()); }
+
+int64_t pending_wgrads() { return static_cast<int64_t>(WgradStore::instance().pending()); }
+
+std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params) {
+  std::vector<std::string> names;
+  for (auto layer : WgradStore::instance().layers_with_pending(params)) {
+    names.push_back(WgradStore::instance().layer_name(layer));
+  }
+  return names;
+}
+
+struct GradReadyHookHandle::State {
+  at::Tensor param;  // strong while registered: the hook belongs to this parameter
+  uint64_t ledger_key;
+  unsigned tensor_hook;
+};
+
+GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook) {
+  TORCH_CHECK_VALUE(param.defined(), "register_grad_ready_hook: expected a parameter, got an "
+                                     "undefined tensor");
+  TORCH_CHECK_VALUE(param.is_leaf() && param.requires_grad(),
+                    "register_grad_ready_hook: expected a leaf tensor that requires grad (a "
+                    "parameter), got one with is_leaf=",
+                    param.is_leaf(), ", requires_grad=", param.requires_grad());
+  auto state = std::make_shared<GradReadyHookHandle::State>();
+  state->ledger_key = GradLedger::instance().add_hook(param, std::move(hook));
+  // Autograd's own contributions (AccumulateGrad) reach the ledger through a tensor hook; it holds
+  // the parameter weakly, since the parameter owns it.
+  core::WeakTensor weak(param.getIntrusivePtr());
+  state->tensor_hook = param.register_hook([weak](const at::Tensor&) {
+    at::Tensor p(weak.lock());
+    if (!p.defined()) return;
+    detail::PassScope pass;
+    GradLedger::instance().note_autograd_contribution(p, pass.id());
+  });
+  state->param = param;
+  GradReadyHookHandle handle;
+  handle.state_ = std::move(state);
+  return handle;
+}
+
+void GradReadyHookHandle::remove() {
+  if (!state_) return;
+  GradLedger::instance().remove_hook(state_->param, state_->ledger_key);
+  state_->param.remove_hook(state_->tensor_hook);
+  state_.reset();
+}
+
+namespace {
+std::mutex main_grad_mutex;
+std::unordered_map<const c10::TensorImpl*,
+                   std::pair<core::WeakTensor, at::Tensor>>
+    main_grads;
+}  // namespace
+
+void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad) {
+  std::lock_guard<std::mutex> lock(main_grad_mutex);
+  for (auto it = main_grads.begin(); it != main_grads.end();) {  // forget dead parameters
+    it = it->second.first.expired() ? main_grads.erase(it) : std::next(it);
+  }
+  if (!main_grad.defined()) {
+    main_grads.erase(param.unsafeGetTensorImpl());
+    return;
+  }
+  main_grads.insert_or_assign(param.unsafeGetTensorImpl(),
+                              std::make_pair(core::WeakTensor(param.getIntrusivePtr()), main_grad));
+}
+
+at::Tensor main_grad(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(main_grad_mutex);
+  auto it = main_grads.find(param.unsafeGetTensorImpl());
+  if (it == main_grads.end() || it->second.first.expired()) return {};
+  return it->second.second;
+}
+
+void set_main_grad_accumulated_callback(std::function<void(const at::Tensor& param)> callback) {
+  std::lock_guard<std::mutex> lock(detail::callback_mutex);
+  detail::main_grad_callback = std::move(callback);
+}
+
+}  // namespace splitgrad

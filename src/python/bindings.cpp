@@ -1,0 +1,84 @@
+// splitgrad._C: the Python face of the deferred-wgrad store and the grad-ready hooks. The ops
+// themselves are not bound here: they are registered with the dispatcher (torch.ops.splitgrad.*).
+#include <torch/csrc/Exceptions.h>
+#include <torch/extension.h>
+
+#include "splitgrad/deferred.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// HANDLE_TH_ERRORS / END_HANDLE_TH_ERRORS_PYBIND (torch/csrc/Exceptions.h) map c10 errors to
+// Python's ValueError / TypeError / RuntimeError and turn C++ warnings into Python warnings.
+
+// Runs a Python callable from C++ (hooks fire from backward_dw() or autograd's threads).
+template <typename... Args>
+std::function<void(Args...)> python_callback(py::function fn) {
+  auto shared = std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
+    if (!Py_IsInitialized()) return;  // at exit, after the interpreter: leak rather than crash
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [shared](Args... args) {
+    py::gil_scoped_acquire gil;
+    (*shared)(args...);
+  };
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "splitgrad's C++ core: the deferred-wgrad store and grad-ready hooks";
+
+  py::class_<splitgrad::LayerHandle, std::shared_ptr<splitgrad::LayerHandle>>(m, "LayerHandle")
+      .def(py::init<std::string>(), py::arg("name"))
+      .def_property_readonly("id", &splitgrad::LayerHandle::id)
+      .def_property("name", &splitgrad::LayerHandle::name, &splitgrad::LayerHandle::set_name)
+      .def("pending", &splitgrad::LayerHandle::pending)
+      .def("release", &splitgrad::LayerHandle::release)
+      .def("backward_dw",
+           [](splitgrad::LayerHandle& self) {
+             HANDLE_TH_ERRORS
+             py::gil_scoped_release no_gil;
+             self.backward_dw();
+             END_HANDLE_TH_ERRORS_PYBIND
+           })
+      // A copied layer is a new layer: it gets its own registration (and no pending work).
+      .def("__deepcopy__",
+           [](const splitgrad::LayerHandle& self, py::dict) {
+             return std::make_shared<splitgrad::LayerHandle>(self.name());
+           })
+      .def(py::pickle([](const splitgrad::LayerHandle& self) { return py::make_tuple(self.name()); },
+                      [](py::tuple state) {
+                        return std::make_shared<splitgrad::LayerHandle>(
+                            state[0].cast<std::string>());
+                      }));
+
+  py::class_<splitgrad::GradReadyHookHandle>(m, "GradReadyHookHandle")
+      .def("remove", &splitgrad::GradReadyHookHandle::remove)
+      .def_property_readonly("active", &splitgrad::GradReadyHookHandle::active);
+
+  m.def("backward_dw_all", [] {
+          HANDLE_TH_ERRORS
+          py::gil_scoped_release no_gil;
+          splitgrad::backward_dw_all();
+          END_HANDLE_TH_ERRORS_PYBIND
+        },
+        "Runs every pending deferred wgrad in the process, oldest first.");
+  m.def("pending_wgrads", &splitgrad::pending_wgrads,
+        "How many deferred wgrad items are waiting (all layers).");
+  m.def("layers_with_pending_wgrads",
+        &splitgrad::layers_with_pending_wgrads,
+        py::arg("params") = std::vector<at::Tensor>{});
+  m.def("register_grad_ready_hook", [](const at::Tensor& param, py::function fn) {
+          HANDLE_TH_ERRORS
+          return splitgrad::register_grad_ready_hook(param, python_callback<const at::Tensor&>(fn));
+          END_HANDLE_TH_ERRORS_PYBIND
+        },
+        py::arg("param"), py::arg("hook"));
+  m.def("set_main_grad_accumulated_callback", [](py::object fn) {
+    splitgrad::set_main_grad_accumulated_callback(
+        fn.is_none() ? nullptr : python_callback<const at::Tensor&>(fn.cast<py::function>()));
+  });
+}
