@@ -1,0 +1,18 @@
+# Sourced by the other scripts: a Python environment with PyTorch and the tools, kept outside the
+# clone (PyTorch is several GB) and reused; created and filled on a fresh machine.
+SPLITGRAD_VENV="${SPLITGRAD_VENV:-$HOME/.cache/splitgrad/venv}"
+_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ ! -x "$SPLITGRAD_VENV/bin/python" ]; then
+  echo "splitgrad: creating the environment $SPLITGRAD_VENV (first run: downloads PyTorch)"
+  python3 -m venv "$SPLITGRAD_VENV"
+  "$SPLITGRAD_VENV/bin/pip" install -q --upgrade pip
+fi
+# shellcheck disable=SC1091
+. "$SPLITGRAD_VENV/bin/activate"
+pip install -q -r "$_root/requirements-dev.txt"
+# GoogleTest for the C++ suite (a Debian package).
+if [ ! -f /usr/include/gtest/gtest.h ]; then
+  echo "splitgrad: installing GoogleTest (libgtest-dev)"
+  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgtest-dev; else sudo apt-get update -qq && sudo apt-get install -y -qq libgtest-dev; fi
+fi
+unset _root

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# All tests: the C++ library with its GoogleTest suite and example (ctest), then the Python
+# package and its pytest suite. Fails on any failure, and when pytest collects no test (exit 5).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/env.sh
+jobs="$(nproc)"
+
+cmake -S . -B build/cpp -G Ninja -DSPLITGRAD_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
+  -DPython3_EXECUTABLE="$(command -v python)"
+cmake --build build/cpp -j "$jobs"
+ctest --test-dir build/cpp --output-on-failure
+
+pip install --no-build-isolation -q .
+python -m pytest tests/python "$@"
