@@ -34,12 +34,13 @@ at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight)
 std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
                                                 const at::Tensor& input, bool compute_bias_grad);
 
-/// wgrad accumulated in place: `+=`, never `=`. weight_grad += dyᵀ·x, bias_grad += Σ dy, computed
-/// in weight_grad's dtype (fp32 main_grad for bf16/fp16 inputs).
-/// \param weight_grad [out_features, in_features], modified in place
-/// \param bias_grad   [out_features], modified in place, or nullopt for no bias gradient
+/// wgrad accumulated in place: `+=`, never `=`. weight_grad += dyᵀ·x, bias_grad += Σ dy. The sums
+/// are formed in the target's dtype: an fp32 main_grad receives fp32 products of bf16/fp16 inputs;
+/// a target of the inputs' dtype receives what linear_wgrad would return, added in place.
+/// \param weight_grad [out_features, in_features], modified in place, or nullopt for none
+/// \param bias_grad   [out_features], modified in place, or nullopt for none
 void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
-                              const at::Tensor& weight_grad,
+                              const std::optional<at::Tensor>& weight_grad,
                               const std::optional<at::Tensor>& bias_grad);
 
 /// The differentiable linear layer: y = x·Wᵀ + b, whose backward computes dgrad at once and the

@@ -37,14 +37,20 @@ std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
 }
 
 void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
-                              const at::Tensor& weight_grad,
+                              const std::optional<at::Tensor>& weight_grad,
                               const std::optional<at::Tensor>& bias_grad) {
   detail::check_wgrad_accumulate_args(detail::named("splitgrad::linear_wgrad_accumulate_"),
                                       grad_output, input, weight_grad, bias_grad);
   const at::Tensor dy = flatten_tokens(grad_output);
-  const at::Tensor x = flatten_tokens(input);
-  const auto acc = weight_grad.scalar_type();  // fp32 for main_grad: the products run in fp32
-  weight_grad.addmm_(dy.t().to(acc), x.to(acc));
+  if (weight_grad.has_value() && weight_grad->defined()) {
+    const at::Tensor x = flatten_tokens(input);
+    if (weight_grad->scalar_type() == dy.scalar_type()) {
+      weight_grad->add_(at::mm(dy.t(), x));  // what autograd adds to .grad: bit-identical sums
+    } else {
+      const auto acc = weight_grad->scalar_type();  // fp32 main_grad: products formed in fp32
+      weight_grad->addmm_(dy.t().to(acc), x.to(acc));
+    }
+  }
   if (bias_grad.has_value() && bias_grad->defined()) {
     bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
   }

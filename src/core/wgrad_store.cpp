@@ -8,7 +8,9 @@
 namespace splitgrad::core {
 
 std::vector<at::Tensor> DeferredWgrad::targets() const {
-  std::vector<at::Tensor> out{weight};
+  // A frozen weight (requires_grad=False) with a trainable bias leaves `weight` undefined.
+  std::vector<at::Tensor> out;
+  if (weight.defined()) out.push_back(weight);
   if (bias.defined()) out.push_back(bias);
   return out;
 }

@@ -35,7 +35,7 @@ struct DeferredWgrad {
   at::Tensor weight_main_grad;  ///< fp32 accumulation buffer (fuse_wgrad_accumulation), or undefined
   at::Tensor bias_main_grad;    ///< likewise for the bias
 
-  /// The parameters this item contributes to (weight, then bias if any).
+  /// The parameters this item contributes to (weight if it trains, then bias if any).
   std::vector<at::Tensor> targets() const;
 };
 

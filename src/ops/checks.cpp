@@ -74,16 +74,22 @@ void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& 
 }
 
 void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
-                                 const at::Tensor& weight_grad,
+                                 const std::optional<at::Tensor>& weight_grad,
                                  const std::optional<at::Tensor>& bias_grad) {
   check_wgrad_args(who, grad_output, input);
   const int64_t out = grad_output.size(-1);
   const int64_t in = input.size(-1);
-  TORCH_CHECK_VALUE(weight_grad.dim() == 2 && weight_grad.size(0) == out && weight_grad.size(1) == in,
-                    who(), ": expected weight_grad of shape [", out, ", ", in, "], got ",
-                    weight_grad.sizes());
-  TORCH_CHECK(weight_grad.device() == input.device(), who(), ": weight_grad on ",
-              weight_grad.device(), " but input on ", input.device());
+  if (weight_grad.has_value() && weight_grad->defined()) {
+    TORCH_CHECK_VALUE(weight_grad->dim() == 2 && weight_grad->size(0) == out &&
+                          weight_grad->size(1) == in,
+                      who(), ": expected weight_grad of shape [", out, ", ", in, "], got ",
+                      weight_grad->sizes());
+    TORCH_CHECK_TYPE(at::isFloatingType(weight_grad->scalar_type()), who(),
+                     ": expected a floating-point weight_grad, got ",
+                     dtype_name(weight_grad->scalar_type()));
+    TORCH_CHECK(weight_grad->device() == input.device(), who(), ": weight_grad on ",
+                weight_grad->device(), " but input on ", input.device());
+  }
   if (bias_grad.has_value() && bias_grad->defined()) {
     TORCH_CHECK_VALUE(bias_grad->dim() == 1 && bias_grad->size(0) == out, who(),
                       ": expected bias_grad of shape [", out, "], got ", bias_grad->sizes());

@@ -38,7 +38,7 @@ void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& 
 
 /// check_wgrad_args, plus the accumulation targets: weight_grad [out, in], bias_grad [out].
 void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
-                                 const at::Tensor& weight_grad,
+                                 const std::optional<at::Tensor>& weight_grad,
                                  const std::optional<at::Tensor>& bias_grad);
 
 /// main_grad: fp32, param's shape, param's device (Megatron's contract).

@@ -54,15 +54,18 @@ namespace {
 std::mutex callback_mutex;
 std::function<void(const at::Tensor&)> main_grad_callback;
 
-// What AccumulateGrad does with a new gradient: take it if there is none, else add in place.
-void add_to_grad(const at::Tensor& param, const at::Tensor& grad) {
-  TORCH_INTERNAL_ASSERT(grad.sizes() == param.sizes());
-  at::Tensor& current = param.mutable_grad();
-  if (!current.defined()) {
-    current = grad.strides() == param.strides() ? grad : at::empty_like(param).copy_(grad);
-  } else {
-    current.add_(grad);
-  }
+// Where a parameter's gradient is added: its main_grad when fused, else its .grad, which is
+// materialised as zeros first if absent (0 + dW is dW exactly, as AccumulateGrad would store it).
+at::Tensor gradient_sink(const at::Tensor& param, const at::Tensor& main_grad) {
+  if (!param.defined()) return {};
+  if (main_grad.defined()) return main_grad;
+  at::Tensor& grad = param.mutable_grad();
+  if (!grad.defined()) grad = at::zeros_like(param, at::MemoryFormat::Preserve);
+  return grad;
+}
+
+std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 }  // namespace
 
@@ -78,29 +81,16 @@ void notify_main_grad_accumulated(const at::Tensor& param) {
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks) {
   at::NoGradGuard no_grad;
-  const bool want_weight = sinks.weight.defined();
-  const bool want_bias = sinks.bias.defined();
-  if (!want_weight && !want_bias) return;
-  const bool fused = sinks.weight_main_grad.defined() || sinks.bias_main_grad.defined();
-  if (fused && want_weight) {
-    // One GEMM adds dW (and db) straight into the fp32 buffers.
-    ops::linear_wgrad_accumulate_(grad_output, input, sinks.weight_main_grad,
-                                  want_bias ? std::optional<at::Tensor>(sinks.bias_main_grad)
-                                            : std::nullopt);
+  const at::Tensor weight_sink = gradient_sink(sinks.weight, sinks.weight_main_grad);
+  const at::Tensor bias_sink = gradient_sink(sinks.bias, sinks.bias_main_grad);
+  if (!weight_sink.defined() && !bias_sink.defined()) return;
+  // One call adds dW and db in place (one GEMM on CUDA, fp32 accumulation into main_grad).
+  ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
+                                optional_if_defined(bias_sink));
+  if (sinks.weight.defined() && sinks.weight_main_grad.defined()) {
     notify_main_grad_accumulated(sinks.weight);
-    if (want_bias) notify_main_grad_accumulated(sinks.bias);
-    return;
   }
-  auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, want_bias);
-  if (want_weight) add_to_grad(sinks.weight, weight_grad);
-  if (want_bias) {
-    if (sinks.bias_main_grad.defined()) {  // frozen weight, fused bias
-      sinks.bias_main_grad.add_(bias_grad);
-      notify_main_grad_accumulated(sinks.bias);
-    } else {
-      add_to_grad(sinks.bias, bias_grad);
-    }
-  }
+  if (sinks.bias.defined() && sinks.bias_main_grad.defined()) notify_main_grad_accumulated(sinks.bias);
 }
 
 }  // namespace detail

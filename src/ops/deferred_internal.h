@@ -36,7 +36,8 @@ struct WgradSinks {
   at::Tensor bias_main_grad;
 };
 
-/// Computes dW = dyᵀ·x (and db = Σ dy) and adds them to their sinks (`+=`, never `=`).
+/// Adds dW = dyᵀ·x and db = Σ dy to their sinks (`+=`, never `=`); a parameter without a .grad gets
+/// one, as AccumulateGrad would give it.
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks);
 

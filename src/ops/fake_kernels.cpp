@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
 }
 
 void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
-                              const at::Tensor& weight_grad,
+                              const std::optional<at::Tensor>& weight_grad,
                               const std::optional<at::Tensor>& bias_grad) {
   detail::check_wgrad_accumulate_args(detail::named("splitgrad::linear_wgrad_accumulate_"),
                                       grad_output, input, weight_grad, bias_grad);

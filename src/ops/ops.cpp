@@ -32,9 +32,9 @@ std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
 }
 
 void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
-                              const at::Tensor& weight_grad, const OptTensor& bias_grad) {
+                              const OptTensor& weight_grad, const OptTensor& bias_grad) {
   static auto handle =
-      op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+      op<void(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&)>(
           "splitgrad::linear_wgrad_accumulate_");
   handle.call(grad_output, input, weight_grad, bias_grad);
 }
