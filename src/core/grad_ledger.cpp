@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <exception>
+#include <iterator>
 
 namespace splitgrad::core {
 
@@ -37,6 +39,10 @@ GradLedger::PassState& GradLedger::pass_state(const at::Tensor& param, PassId pa
 uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
   TORCH_CHECK(hook, "register_grad_ready_hook: the hook is empty");
   std::lock_guard<std::mutex> lock(mutex_);
+  // Forget parameters that died: their hooks (and whatever the hooks hold) can never run again.
+  for (auto it = params_.begin(); it != params_.end();) {
+    it = it->second.impl.expired() ? params_.erase(it) : std::next(it);
+  }
   uint64_t key = next_hook_key_++;
   state_for(param).hooks.emplace_back(key, std::move(hook));
   return key;
@@ -150,9 +156,19 @@ void GradLedger::settle(Key key, PassId pass, std::vector<Firing>& out) {
 }
 
 void GradLedger::fire(std::vector<Firing>& firings) {
+  // Every hook runs even if an earlier one throws: the passes are settled already, so a hook
+  // skipped now would never run for them. The first exception is rethrown once all have run.
+  std::exception_ptr first_error;
   for (auto& firing : firings) {
-    for (auto& hook : firing.hooks) hook(firing.param);
+    for (auto& hook : firing.hooks) {
+      try {
+        hook(firing.param);
+      } catch (...) {
+        if (!first_error) first_error = std::current_exception();
+      }
+    }
   }
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 int64_t GradLedger::pending_for(const at::Tensor& param) const {

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <atomic>
+#include <exception>
 #include <mutex>
 #include <unordered_map>
 
@@ -152,7 +153,19 @@ void run(std::vector<DeferredWgrad> items) {
     const core::PassId pass = item.pass;
     const std::vector<at::Tensor> targets = item.targets();
     item = DeferredWgrad{};  // free the stashed activations before the hooks run
-    for (const auto& target : targets) GradLedger::instance().deferred_landed(target, pass);
+    std::exception_ptr hook_error;
+    for (const auto& target : targets) {
+      try {
+        GradLedger::instance().deferred_landed(target, pass);
+      } catch (...) {  // a grad-ready hook threw: still land the other targets
+        if (!hook_error) hook_error = std::current_exception();
+      }
+    }
+    if (hook_error) {  // the items not run yet stay queued: no gradient is lost
+      store.restore(std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
+                                               std::make_move_iterator(runnable.end())));
+      std::rethrow_exception(hook_error);
+    }
   }
 }
 

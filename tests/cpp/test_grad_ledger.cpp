@@ -11,6 +11,7 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <stdexcept>
 #include <thread>
 #include <vector>
 
@@ -319,6 +320,38 @@ TEST_F(GradLedgerTest, NewTensorsInheritNothingFromDeadOnes) {
   }
   ledger().autograd_pass_finished(kPassA);  // the dead tensor's pass ends: nobody to call
   EXPECT_EQ(*calls, 0);
+}
+
+TEST_F(GradLedgerTest, DeadParametersHooksAreFreed) {
+  // A hook may hold something big (a reducer's bucket); once its parameter is gone it can never
+  // run, so the ledger lets it go (at the latest when the next hook is added).
+  auto held = std::make_shared<int>(0);
+  {
+    at::Tensor dead = torch::zeros({3});
+    ledger().add_hook(dead, [held](const at::Tensor&) {});
+    EXPECT_EQ(held.use_count(), 2);
+  }
+  at::Tensor alive = torch::zeros({3});
+  ledger().add_hook(alive, [](const at::Tensor&) {});
+  EXPECT_EQ(held.use_count(), 1) << "the dead parameter's hook was freed";
+  EXPECT_EQ(ledger().hook_count(alive), 1u);
+}
+
+TEST_F(GradLedgerTest, AThrowingHookDoesNotStopTheOthers) {
+  // All of a settled pass's hooks run even if one throws (a skipped one would never run for that
+  // pass); the first exception reaches the caller afterwards.
+  at::Tensor p = torch::zeros({3});
+  at::Tensor q = torch::zeros({3});
+  ledger().add_hook(p, [](const at::Tensor&) { throw std::runtime_error("reducer failed"); });
+  auto p_calls = counting_hook(p);
+  auto q_calls = counting_hook(q);
+  ledger().open_pass(kPassA);
+  ledger().note_autograd_contribution(p, kPassA);
+  ledger().note_autograd_contribution(q, kPassA);
+  EXPECT_THROW(ledger().autograd_pass_finished(kPassA), std::runtime_error);
+  EXPECT_EQ(*p_calls, 1);
+  EXPECT_EQ(*q_calls, 1);
+  EXPECT_FALSE(ledger().pass_open(kPassA));
 }
 
 // Runs `fn` on another thread and fails (ending the process) if it has not returned within a few
