@@ -4,13 +4,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "aten/linear_aten.h"
 #include "ops/checks.h"
 
 namespace splitgrad::aten_backend {
 namespace {
-
-
 at::Tensor flatten_tokens(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+}  // namespace
 
 at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
@@ -55,8 +55,6 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
     bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
   }
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(splitgrad, CompositeExplicitAutograd, m) {
   m.impl("linear_fprop", &linear_fprop);

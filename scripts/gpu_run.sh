@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the GPU machine (no network): build splitgrad from the source tree with its own CMake, against
+# the machine's PyTorch, into a private site folder; then run what is asked. Wheels for test-only
+# packages the machine may lack can be carried in .whl/ (see BENCHMARKS.md).
+#   bash scripts/gpu_run.sh build
+#   bash scripts/gpu_run.sh pytest [pytest args...]
+#   bash scripts/gpu_run.sh python FILE [args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+site="${SPLITGRAD_SITE:-/tmp/splitgrad-site}"
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+case "${1:-build}" in
+  build)
+    mkdir -p "$site"
+    if compgen -G ".whl/*.whl" > /dev/null; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
+    fi
+    cmake -S . -B build/gpu -G Ninja -DSPLITGRAD_BUILD_PYTHON=ON -DCMAKE_BUILD_TYPE=Release \
+      -DPython3_EXECUTABLE="$(command -v python3)" > build-gpu.log 2>&1 || { cat build-gpu.log; exit 1; }
+    cmake --build build/gpu -j "$(nproc)" >> build-gpu.log 2>&1 || { tail -50 build-gpu.log; exit 1; }
+    cmake --install build/gpu --prefix "$site" >> build-gpu.log 2>&1
+    cp python/splitgrad/*.py "$site/splitgrad/"
+    grep -E "splitgrad:" build-gpu.log || true
+    python3 -c "import splitgrad, torch; print('splitgrad', splitgrad.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+    ;;
+  pytest) shift; python3 -m pytest "$@" ;;
+  python) shift; python3 "$@" ;;
+  *) echo "usage: $0 build | pytest [args] | python FILE [args]"; exit 2 ;;
+esac

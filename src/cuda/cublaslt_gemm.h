@@ -1,0 +1,74 @@
+#pragma once
+/// \file cublaslt_gemm.h
+/// splitgrad's GEMM core on cuBLASLt: framework-free (CUDA types only), column-major as cuBLAS is.
+///
+/// Computes D = alpha · op(A) · op(B) + beta · D, with op(X) = X or Xᵀ, and an optional epilogue:
+///   - Epilogue::kBias:      D += bias, bias of length m broadcast over the n columns (fprop's b);
+///   - Epilogue::kBiasGradB: bias_out = Σ_k op(B)[k, :], length n (wgrad's db = Σ_tokens dy).
+/// A row-major [r, c] tensor with row stride ld is, to cuBLAS, a column-major [c, r] matrix with
+/// leading dimension ld: the callers (linear_cuda.cpp) map the three linear products onto this.
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace splitgrad::cuda {
+
+enum class Epilogue {
+  kNone,
+  kBias,       ///< D += bias (bias: m elements, bias_type)
+  kBiasGradB,  ///< bias (n elements, bias_type) = sum of op(B) over k, written (not added)
+};
+
+/// Whether D's old contents are kept: beta = 1 adds the product to D ("+="), beta = 0 replaces it.
+enum class Accumulate { kOverwrite, kAdd };
+
+/// One matrix operand: column-major `rows x cols` as stored, with leading dimension `ld`.
+struct Operand {
+  const void* data = nullptr;
+  cudaDataType_t type = CUDA_R_32F;
+  int64_t ld = 0;
+  bool transposed = false;  ///< use Xᵀ: the stored matrix is [k, m] for A, [n, k] for B
+};
+
+struct GemmArgs {
+  int64_t m = 0;  ///< rows of D and op(A)
+  int64_t n = 0;  ///< columns of D and op(B)
+  int64_t k = 0;  ///< columns of op(A), rows of op(B)
+  Operand a;      ///< op(A): [m, k]
+  Operand b;      ///< op(B): [k, n]
+  void* d = nullptr;                ///< D: column-major [m, n], leading dimension ldd
+  cudaDataType_t d_type = CUDA_R_32F;
+  int64_t ldd = 0;
+  Accumulate accumulate = Accumulate::kOverwrite;
+  Epilogue epilogue = Epilogue::kNone;
+  void* bias = nullptr;             ///< read (kBias) or written (kBiasGradB)
+  cudaDataType_t bias_type = CUDA_R_32F;
+  cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  ///< CUBLAS_COMPUTE_32F_FAST_TF32 allows TF32
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+/// Status of a GEMM call; `message` is a static description when ok is false.
+struct GemmStatus {
+  bool ok = true;
+  const char* message = "";
+  cublasStatus_t cublas = CUBLAS_STATUS_SUCCESS;
+};
+
+/// Runs one GEMM on `stream`. Descriptors and the heuristic's algorithm are cached per shape,
+/// dtypes, layouts, epilogue and operand alignment, so a repeated call costs one launch.
+/// Returns !ok (and launches nothing) when cuBLASLt has no algorithm for the combination: the
+/// caller may then fall back (for example to kNone and a separate bias reduction).
+GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream);
+
+/// Whether the last gemm() for these arguments would find an algorithm (runs the heuristic once
+/// and caches the answer; launches nothing).
+bool gemm_supported(cublasLtHandle_t handle, const GemmArgs& args);
+
+/// Forgets every cached descriptor and algorithm (tests, or after changing the device setup).
+void clear_gemm_cache();
+
+}  // namespace splitgrad::cuda

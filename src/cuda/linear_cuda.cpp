@@ -1,0 +1,250 @@
+// The CUDA back end: the three products of a linear layer on cuBLASLt (cuda/cublaslt_gemm.h), on
+// the current stream, with memory from PyTorch's caching allocator.
+//   fprop  y  = x·Wᵀ + b   bias added in the epilogue
+//   dgrad  dx = dy·W
+//   wgrad  dW = dyᵀ·x      written straight into its target (beta = 1 adds to main_grad or .grad),
+//          db = Σ dy       in the same GEMM's epilogue (BGRADB) where cuBLASLt allows
+// Row-major [r, c] tensors are column-major [c, r] to cuBLAS; transposes are GEMM flags, not copies.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "aten/linear_aten.h"
+#include "cuda/cublaslt_gemm.h"
+#include "ops/checks.h"
+
+namespace splitgrad::cuda_backend {
+namespace {
+
+using cuda::Accumulate;
+using cuda::Epilogue;
+using cuda::GemmArgs;
+using cuda::Operand;
+
+bool covered(at::ScalarType type) {
+  return type == at::kFloat || type == at::kBFloat16 || type == at::kHalf;
+}
+
+cudaDataType_t cuda_type(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return CUDA_R_32F;
+    case at::kBFloat16: return CUDA_R_16BF;
+    case at::kHalf: return CUDA_R_16F;
+    default:
+      TORCH_CHECK_TYPE(false, "splitgrad cuBLASLt back end: unsupported dtype ",
+                       detail::dtype_name(type));
+  }
+}
+
+// fp32 products use TF32 only where PyTorch's torch.backends.cuda.matmul.allow_tf32 says so.
+cublasComputeType_t compute_type(at::ScalarType inputs) {
+  return inputs == at::kFloat && at::globalContext().allowTF32CuBLAS()
+             ? CUBLAS_COMPUTE_32F_FAST_TF32
+             : CUBLAS_COMPUTE_32F;
+}
+
+at::Tensor flatten_tokens(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
+
+// `t` (2-D, logically row-major [r, c]) as a GEMM operand whose op() must equal t itself
+// (`use_as_is`) or tᵀ. To cuBLAS a row-major tensor is tᵀ stored column-major, a column-major one is
+// t; any other layout is copied to row-major first (kept alive in `storage`).
+Operand operand(const at::Tensor& t, bool use_as_is, at::Tensor& storage) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  const bool row_major = (t.stride(1) == 1 || cols == 1) && t.stride(0) >= std::max<int64_t>(cols, 1);
+  const bool column_major =
+      !row_major && (t.stride(0) == 1 || rows == 1) && t.stride(1) >= std::max<int64_t>(rows, 1);
+  storage = row_major || column_major ? t : t.contiguous();
+  Operand op;
+  op.data = storage.data_ptr();
+  op.type = cuda_type(storage.scalar_type());
+  if (column_major) {
+    op.ld = storage.stride(1);
+    op.transposed = !use_as_is;
+  } else {
+    op.ld = std::max<int64_t>({storage.stride(0), cols, 1});
+    op.transposed = use_as_is;  // stored tᵀ: op(stored) = t needs the transpose flag
+  }
+  return op;
+}
+
+// A row-major output [r, c] with unit column stride: to cuBLAS a column-major [c, r] matrix.
+bool writable_row_major(const at::Tensor& t) {
+  return t.dim() == 2 && (t.stride(1) == 1 || t.size(1) == 1) &&
+         t.stride(0) >= std::max<int64_t>(t.size(1), 1);
+}
+
+int64_t row_major_ld(const at::Tensor& t) { return std::max<int64_t>({t.stride(0), t.size(1), 1}); }
+
+void run(GemmArgs& args, const char* what, const at::Tensor& a, const at::Tensor& b) {
+  args.workspace = at::cuda::getCUDABlasLtWorkspace();
+  args.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  const cuda::GemmStatus status =
+      cuda::gemm(at::cuda::getCurrentCUDABlasLtHandle(), args, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status.ok, "splitgrad cuBLASLt ", what, " failed (", status.message,
+              ", cublasStatus ", static_cast<int>(status.cublas), ") for operands of shape ",
+              a.sizes(), " (", a.scalar_type(), ") and ", b.sizes(), " (", b.scalar_type(),
+              "), m=", args.m, " n=", args.n, " k=", args.k);
+}
+
+bool supported(GemmArgs& args) {
+  args.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  return cuda::gemm_supported(at::cuda::getCurrentCUDABlasLtHandle(), args);
+}
+
+at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  detail::check_linear_args(detail::named("splitgrad::linear_fprop"), input, weight, bias);
+  if (!covered(input.scalar_type())) return aten_backend::linear_fprop(input, weight, bias);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = flatten_tokens(input);
+  const int64_t tokens = x.size(0), in = weight.size(1), out = weight.size(0);
+  at::Tensor y = at::empty({tokens, out}, input.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (tokens > 0 && out > 0) {
+    if (in == 0) {
+      has_bias ? y.copy_(bias->expand({tokens, out})) : y.zero_();
+    } else {
+      // D (col-major [out, tokens]) = op(A) [out, in] · op(B) [in, tokens], A = W, B = xᵀ.
+      at::Tensor a_storage, b_storage, bias_storage;
+      GemmArgs args;
+      args.m = out, args.n = tokens, args.k = in;
+      args.a = operand(weight, /*use_as_is=*/true, a_storage);
+      args.b = operand(x, /*use_as_is=*/false, b_storage);
+      args.d = y.data_ptr(), args.d_type = cuda_type(y.scalar_type()), args.ldd = out;
+      args.compute = compute_type(input.scalar_type());
+      if (has_bias) {
+        bias_storage = bias->contiguous();
+        args.epilogue = Epilogue::kBias;
+        args.bias = bias_storage.data_ptr();
+        args.bias_type = args.d_type;
+      }
+      run(args, "fprop", x, weight);
+    }
+  }
+  return y.view(detail::with_last_dim(input.sizes(), out));
+}
+
+at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight) {
+  detail::check_dgrad_args(detail::named("splitgrad::linear_dgrad"), grad_output, weight);
+  if (!covered(grad_output.scalar_type())) return aten_backend::linear_dgrad(grad_output, weight);
+  const c10::cuda::CUDAGuard guard(grad_output.device());
+  const at::Tensor dy = flatten_tokens(grad_output);
+  const int64_t tokens = dy.size(0), in = weight.size(1), out = weight.size(0);
+  at::Tensor dx = at::empty({tokens, in}, grad_output.options());
+  if (tokens > 0 && in > 0) {
+    if (out == 0) {
+      dx.zero_();
+    } else {
+      // D (col-major [in, tokens]) = op(A) [in, out] · op(B) [out, tokens], A = Wᵀ, B = dyᵀ.
+      at::Tensor a_storage, b_storage;
+      GemmArgs args;
+      args.m = in, args.n = tokens, args.k = out;
+      args.a = operand(weight, /*use_as_is=*/false, a_storage);
+      args.b = operand(dy, /*use_as_is=*/false, b_storage);
+      args.d = dx.data_ptr(), args.d_type = cuda_type(dx.scalar_type()), args.ldd = in;
+      args.compute = compute_type(grad_output.scalar_type());
+      run(args, "dgrad", dy, weight);
+    }
+  }
+  return dx.view(detail::with_last_dim(grad_output.sizes(), in));
+}
+
+// dW (into `weight_target`, row-major [out, in]) and optionally db (into `bias_target`), by one GEMM
+// D (col-major [in, out]) = op(A) [in, tokens] · op(B) [tokens, out], A = xᵀ, B = dy, whose BGRADB
+// epilogue writes Σ_tokens dy. `accumulate` adds to the weight target; db is always written, so
+// callers that accumulate the bias pass a scratch buffer and add it themselves.
+// Returns false if the bias could not be fused (the caller then reduces dy itself).
+bool wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight_target,
+                Accumulate accumulate, const at::Tensor& bias_target) {
+  at::Tensor a_storage, b_storage;
+  GemmArgs args;
+  args.m = x.size(1), args.n = dy.size(1), args.k = dy.size(0);
+  args.a = operand(x, /*use_as_is=*/false, a_storage);
+  args.b = operand(dy, /*use_as_is=*/true, b_storage);
+  args.d = weight_target.data_ptr();
+  args.d_type = cuda_type(weight_target.scalar_type());
+  args.ldd = row_major_ld(weight_target);
+  args.accumulate = accumulate;
+  args.compute = compute_type(dy.scalar_type());
+  bool bias_fused = false;
+  if (bias_target.defined()) {
+    GemmArgs with_bias = args;
+    with_bias.epilogue = Epilogue::kBiasGradB;
+    with_bias.bias = bias_target.data_ptr();
+    with_bias.bias_type = cuda_type(bias_target.scalar_type());
+    if (supported(with_bias)) {
+      args = with_bias;
+      bias_fused = true;
+    }
+  }
+  run(args, "wgrad", dy, x);
+  return bias_fused || !bias_target.defined();
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
+                                                const at::Tensor& input, bool compute_bias_grad) {
+  detail::check_wgrad_args(detail::named("splitgrad::linear_wgrad"), grad_output, input);
+  if (!covered(input.scalar_type())) {
+    return aten_backend::linear_wgrad(grad_output, input, compute_bias_grad);
+  }
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor dy = flatten_tokens(grad_output);
+  const at::Tensor x = flatten_tokens(input);
+  const int64_t out = dy.size(1), in = x.size(1);
+  at::Tensor weight_grad = at::empty({out, in}, input.options());
+  at::Tensor bias_grad = at::empty({compute_bias_grad ? out : 0}, input.options());
+  if (out == 0 || in == 0 || dy.size(0) == 0) {  // nothing to multiply: the sums are zero
+    weight_grad.zero_();
+    bias_grad.zero_();
+  } else if (!wgrad_gemm(dy, x, weight_grad, Accumulate::kOverwrite,
+                         compute_bias_grad ? bias_grad : at::Tensor())) {
+    at::sum_out(bias_grad, dy, {0});
+  }
+  return {weight_grad, bias_grad};
+}
+
+void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
+                              const std::optional<at::Tensor>& weight_grad,
+                              const std::optional<at::Tensor>& bias_grad) {
+  detail::check_wgrad_accumulate_args(detail::named("splitgrad::linear_wgrad_accumulate_"),
+                                      grad_output, input, weight_grad, bias_grad);
+  const bool want_weight = weight_grad.has_value() && weight_grad->defined();
+  const bool want_bias = bias_grad.has_value() && bias_grad->defined();
+  const bool weight_direct = !want_weight || (covered(weight_grad->scalar_type()) &&
+                                              writable_row_major(*weight_grad));
+  if (!covered(input.scalar_type()) || !weight_direct) {
+    return aten_backend::linear_wgrad_accumulate_(grad_output, input, weight_grad, bias_grad);
+  }
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor dy = flatten_tokens(grad_output);
+  const at::Tensor x = flatten_tokens(input);
+  if (dy.size(0) == 0 || dy.size(1) == 0) return;  // adds zero
+  if (!want_weight) {  // frozen weight: only the bias trains
+    bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
+    return;
+  }
+  if (x.size(1) == 0) {
+    if (want_bias) bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
+    return;
+  }
+  // BGRADB writes rather than adds: db lands in scratch of the target's dtype, then one tiny add.
+  at::Tensor bias_scratch =
+      want_bias ? at::empty({dy.size(1)}, bias_grad->options()) : at::Tensor();
+  if (wgrad_gemm(dy, x, *weight_grad, Accumulate::kAdd, bias_scratch)) {
+    if (want_bias) bias_grad->add_(bias_scratch);
+  } else {
+    bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(splitgrad, CUDA, m) {
+  m.impl("linear_fprop", &linear_fprop);
+  m.impl("linear_dgrad", &linear_dgrad);
+  m.impl("linear_wgrad", &linear_wgrad);
+  m.impl("linear_wgrad_accumulate_", &linear_wgrad_accumulate_);
+}
+
+}  // namespace splitgrad::cuda_backend
