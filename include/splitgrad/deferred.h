@@ -70,7 +70,8 @@ class GradReadyHookHandle {
 
 /// Calls `hook(param)` exactly once per backward pass that contributes to `param`, after the last
 /// contribution of that pass has landed — immediate (autograd, regular layers) or deferred
-/// (backward_dw), from any layer or ordinary autograd op. `param` must be a leaf that requires grad.
+/// (backward_dw), from any layer or ordinary autograd op. `param` must be a leaf that requires
+/// grad.
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
 
 /// Sets where a parameter's fp32 gradient buffer lives for fuse_wgrad_accumulation (Megatron's
@@ -79,8 +80,9 @@ void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad);
 /// The buffer set by set_main_grad(), or an undefined tensor.
 at::Tensor main_grad(const at::Tensor& param);
 
-/// Called with each parameter right after a wgrad was accumulated into its main_grad (the Python
-/// package sets `param.grad_added_to_main_grad = True` from it). Empty function: none.
+/// Called with each parameter right after a wgrad was accumulated into its main_grad, for C++
+/// callers that track it (the Python package sets `param.grad_added_to_main_grad` in the fused
+/// forward instead). Empty function: none.
 void set_main_grad_accumulated_callback(std::function<void(const at::Tensor& param)> callback);
 
 }  // namespace splitgrad

@@ -4,9 +4,9 @@
 /// to backward_dw() (delay_wgrad_compute) and accumulated into an fp32 main_grad
 /// (fuse_wgrad_accumulation).
 
+#include <torch/arg.h>
 #include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
-#include <torch/arg.h>
 #include <torch/types.h>
 
 #include <memory>
@@ -19,8 +19,8 @@ namespace splitgrad {
 
 /// Options for Linear; the keywords are Transformer Engine's te.Linear ones.
 /// \code
-/// splitgrad::Linear fc(splitgrad::LinearOptions(1024, 4096).bias(false).delay_wgrad_compute(true));
-/// \endcode
+/// splitgrad::Linear fc(splitgrad::LinearOptions(1024,
+/// 4096).bias(false).delay_wgrad_compute(true)); \endcode
 struct LinearOptions {
   LinearOptions(int64_t in_features, int64_t out_features)
       : in_features_(in_features), out_features_(out_features) {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import functools
 import warnings
 from typing import Callable, Iterable
@@ -119,12 +118,4 @@ def _install_guards() -> None:
     torch.nn.Module.zero_grad = guarded_module_zero_grad
 
 
-def _mark_grad_added_to_main_grad(param: torch.Tensor) -> None:
-    # Megatron's contract: tell its grad hooks that the gradient already went into main_grad.
-    if hasattr(param, "grad_added_to_main_grad"):
-        param.grad_added_to_main_grad = True
-
-
 _install_guards()
-_C.set_main_grad_accumulated_callback(_mark_grad_added_to_main_grad)
-atexit.register(_C.set_main_grad_accumulated_callback, None)

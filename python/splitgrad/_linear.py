@@ -21,10 +21,14 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
+_linear_op = torch.ops.splitgrad.linear.default
+
+
 @torch.compiler.disable
-def _linear_delayed(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id):
-    # Deferred work must be queued with real tensors, never inside a traced graph.
-    return torch.ops.splitgrad.linear(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, True)
+def _linear_delayed_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id):
+    # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
+    # graph, so the delayed layer runs eagerly (a graph break).
+    return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, True)
 
 
 class Linear(nn.Module):
@@ -126,10 +130,13 @@ class Linear(nn.Module):
             if self.bias is not None:
                 bias_main_grad = self._main_grad_of(self.bias, "bias")
         try:
-            if self.delay_wgrad_compute:
-                return _linear_delayed(inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id)
-            return torch.ops.splitgrad.linear(
-                inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id, False
+            if self.delay_wgrad_compute and torch.compiler.is_compiling():
+                return _linear_delayed_outside_graph(
+                    inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id
+                )
+            return _linear_op(
+                inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id,
+                self.delay_wgrad_compute,
             )
         except ValueError as error:
             kind = MainGradError if "main_grad" in str(error) else ArgumentError
@@ -151,6 +158,10 @@ class Linear(nn.Module):
                 f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
                 f"got {type(main_grad).__name__}"
             )
+        # Megatron's contract: its grad hooks must not add .grad into main_grad again. Set here, in
+        # Python, once per forward: the backward that follows adds this layer's gradient to main_grad.
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = True
         return main_grad
 
     def backward_dw(self) -> None:
@@ -190,6 +201,12 @@ class Linear(nn.Module):
         if name in ("weight", "bias") and self.__dict__.get("_reduce_hooks"):
             self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
 
+    def __getstate__(self):
+        # the hook handles belong to this layer's parameters: a copy installs its own (__setstate__)
+        state = self.__dict__.copy()
+        state["_reduce_hook_handles"] = []
+        return state
+
     def __setstate__(self, state):
         # deepcopy / unpickling gives the copy a layer registration of its own; keep the id in step
         super().__setstate__(state)
@@ -207,10 +224,11 @@ class Linear(nn.Module):
         layer = self.__dict__.get("_layer")
         if layer is None:
             return
+        name = layer.name  # read before release(): a released layer no longer has a name
         dropped = layer.release()
         if dropped:
             warnings.warn(
-                f"splitgrad layer '{layer.name}' was deleted with {dropped} deferred wgrad item(s) "
+                f"splitgrad layer '{name}' was deleted with {dropped} deferred wgrad item(s) "
                 "pending: their stashed tensors were freed and those gradient contributions discarded. "
                 "Call backward_dw() before deleting a layer.",
                 PendingWgradWarning,

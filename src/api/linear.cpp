@@ -67,8 +67,7 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
     bias_main_grad = fetch(bias, "bias");
   }
   return ops::linear(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                     weight_main_grad, bias_main_grad, layer_->id(),
-                     options.delay_wgrad_compute());
+                     weight_main_grad, bias_main_grad, layer_->id(), options.delay_wgrad_compute());
 }
 
 void LinearImpl::backward_dw() {

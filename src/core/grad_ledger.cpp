@@ -53,7 +53,8 @@ bool GradLedger::remove_hook(const at::Tensor& param, uint64_t key) {
   auto it = params_.find(param.unsafeGetTensorImpl());
   if (it == params_.end()) return false;
   auto& hooks = it->second.hooks;
-  auto pos = std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == key; });
+  auto pos =
+      std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == key; });
   if (pos == hooks.end()) return false;
   hooks.erase(pos);
   return true;

@@ -8,7 +8,8 @@
 //     backward): they have all landed when pass k's graph task ends;
 //   - deferred wgrad items queued during pass k: they land one by one in backward_dw().
 // P's hooks fire for pass k when both are over: the graph task has ended and no deferred item of
-// pass k for P is outstanding. So each hook runs exactly once per pass, after the last contribution.
+// pass k for P is outstanding. So each hook runs exactly once per pass, after the last
+// contribution.
 
 #include <ATen/core/Tensor.h>
 
@@ -67,9 +68,9 @@ class GradLedger {
 
  private:
   struct PassState {
-    int64_t owed = 0;          // deferred items queued and not yet landed or dropped
+    int64_t owed = 0;  // deferred items queued and not yet landed or dropped
     bool autograd_done = false;
-    bool incomplete = false;   // a contribution was dropped: do not fire for this pass
+    bool incomplete = false;  // a contribution was dropped: do not fire for this pass
   };
   struct ParamState {
     WeakTensor impl;  // the parameter itself is not kept alive by the ledger
@@ -82,11 +83,11 @@ class GradLedger {
     std::vector<GradReadyHook> hooks;
   };
 
-  ParamState& state_for(const at::Tensor& param);  // requires mutex_
+  ParamState& state_for(const at::Tensor& param);               // requires mutex_
   PassState& pass_state(const at::Tensor& param, PassId pass);  // requires mutex_
   // Collects the hooks to fire for (param, pass) if it owes nothing; erases settled state.
   void settle(Key key, PassId pass, std::vector<Firing>& out);  // requires mutex_
-  static void fire(std::vector<Firing>& firings);  // runs without the mutex held
+  static void fire(std::vector<Firing>& firings);               // runs without the mutex held
 
   mutable std::mutex mutex_;
   std::unordered_map<Key, ParamState> params_;

@@ -24,7 +24,7 @@ LayerId WgradStore::register_layer(std::string name) {
   std::lock_guard<std::mutex> lock(mutex_);
   LayerId id = next_layer_++;
   names_.emplace(id, std::move(name));
-  queues_.emplace(id, std::deque<DeferredWgrad>{});
+  queues_.emplace(id, LayerQueue{});
   return id;
 }
 
@@ -33,8 +33,9 @@ std::vector<DeferredWgrad> WgradStore::release_layer(LayerId layer) {
   names_.erase(layer);
   auto it = queues_.find(layer);
   if (it == queues_.end()) return {};
-  std::vector<DeferredWgrad> dropped(std::make_move_iterator(it->second.begin()),
-                                     std::make_move_iterator(it->second.end()));
+  auto& items = it->second.items;
+  std::vector<DeferredWgrad> dropped(std::make_move_iterator(items.begin()),
+                                     std::make_move_iterator(items.end()));
   pending_ -= dropped.size();
   queues_.erase(it);
   return dropped;
@@ -64,7 +65,8 @@ void WgradStore::push(DeferredWgrad item) {
   TORCH_CHECK(it != queues_.end(), "splitgrad: cannot queue deferred wgrad for layer ", item.layer,
               ": the layer is not registered (was it deleted?)");
   item.seq = next_seq_++;
-  it->second.push_back(std::move(item));
+  it->second.per_pass[item.pass] += 1;
+  it->second.items.push_back(std::move(item));
   pending_ += 1;
 }
 
@@ -72,14 +74,21 @@ std::vector<DeferredWgrad> WgradStore::take_oldest_pass(LayerId layer) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<DeferredWgrad> taken;
   auto it = queues_.find(layer);
-  if (it == queues_.end() || it->second.empty()) return taken;
-  auto& queue = it->second;
+  if (it == queues_.end() || it->second.items.empty()) return taken;
+  auto& queue = it->second.items;
   const PassId pass = queue.front().pass;
-  // Items of one pass are usually contiguous; concurrent backward passes can interleave them.
-  auto keep = std::stable_partition(queue.begin(), queue.end(),
-                                    [&](const DeferredWgrad& item) { return item.pass == pass; });
-  taken.assign(std::make_move_iterator(queue.begin()), std::make_move_iterator(keep));
-  queue.erase(queue.begin(), keep);
+  auto count = it->second.per_pass.find(pass);
+  const size_t in_pass = count->second;
+  it->second.per_pass.erase(count);
+  auto end = queue.begin();
+  while (end != queue.end() && end->pass == pass) ++end;
+  if (static_cast<size_t>(end - queue.begin()) != in_pass) {
+    // Concurrent backward passes interleaved their items: gather this pass's from the whole queue.
+    end = std::stable_partition(queue.begin(), queue.end(),
+                                [&](const DeferredWgrad& item) { return item.pass == pass; });
+  }
+  taken.assign(std::make_move_iterator(queue.begin()), std::make_move_iterator(end));
+  queue.erase(queue.begin(), end);
   pending_ -= taken.size();
   return taken;
 }
@@ -89,8 +98,9 @@ std::vector<DeferredWgrad> WgradStore::take_all() {
   std::vector<DeferredWgrad> taken;
   taken.reserve(pending_);
   for (auto& [layer, queue] : queues_) {
-    std::move(queue.begin(), queue.end(), std::back_inserter(taken));
-    queue.clear();
+    std::move(queue.items.begin(), queue.items.end(), std::back_inserter(taken));
+    queue.items.clear();
+    queue.per_pass.clear();
   }
   pending_ = 0;
   std::sort(taken.begin(), taken.end(),
@@ -103,10 +113,11 @@ void WgradStore::restore(std::vector<DeferredWgrad> items) {
   for (auto& item : items) {
     auto it = queues_.find(item.layer);
     if (it == queues_.end()) continue;  // the layer was released meanwhile: its work goes with it
-    auto& queue = it->second;
-    auto pos = std::upper_bound(
-        queue.begin(), queue.end(), item.seq,
-        [](uint64_t seq, const DeferredWgrad& other) { return seq < other.seq; });
+    it->second.per_pass[item.pass] += 1;
+    auto& queue = it->second.items;
+    auto pos =
+        std::upper_bound(queue.begin(), queue.end(), item.seq,
+                         [](uint64_t seq, const DeferredWgrad& other) { return seq < other.seq; });
     queue.insert(pos, std::move(item));
     pending_ += 1;
   }
@@ -120,7 +131,7 @@ size_t WgradStore::pending() const {
 size_t WgradStore::pending(LayerId layer) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = queues_.find(layer);
-  return it == queues_.end() ? 0 : it->second.size();
+  return it == queues_.end() ? 0 : it->second.items.size();
 }
 
 std::vector<LayerId> WgradStore::layers_with_pending(const std::vector<at::Tensor>& params) const {
@@ -136,7 +147,7 @@ std::vector<LayerId> WgradStore::layers_with_pending(const std::vector<at::Tenso
   };
   std::vector<LayerId> layers;
   for (const auto& [layer, queue] : queues_) {
-    if (std::any_of(queue.begin(), queue.end(), feeds)) layers.push_back(layer);
+    if (std::any_of(queue.items.begin(), queue.items.end(), feeds)) layers.push_back(layer);
   }
   return layers;
 }

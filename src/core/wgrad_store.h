@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "core/grad_ledger.h"
@@ -24,16 +25,17 @@ using LayerId = int64_t;
 /// target parameters' gradients.
 struct DeferredWgrad {
   LayerId layer = 0;
-  PassId pass = 0;           ///< the backward pass that queued it
-  uint64_t seq = 0;          ///< global queue order, set by WgradStore::push
-  at::Tensor input;          ///< x, [tokens, in_features]
-  at::Tensor grad_output;    ///< dy, [tokens, out_features]
+  PassId pass = 0;                   ///< the backward pass that queued it
+  uint64_t seq = 0;                  ///< global queue order, set by WgradStore::push
+  at::Tensor input;                  ///< x, [tokens, in_features]
+  at::Tensor grad_output;            ///< dy, [tokens, out_features]
   uint32_t input_version = 0;        ///< x's version counter when stashed
   uint32_t grad_output_version = 0;  ///< dy's version counter when stashed
-  at::Tensor weight;         ///< the weight parameter the gradient belongs to
-  at::Tensor bias;           ///< the bias parameter, or undefined when there is no bias gradient
-  at::Tensor weight_main_grad;  ///< fp32 accumulation buffer (fuse_wgrad_accumulation), or undefined
-  at::Tensor bias_main_grad;    ///< likewise for the bias
+  at::Tensor weight;                 ///< the weight parameter the gradient belongs to
+  at::Tensor bias;  ///< the bias parameter, or undefined when there is no bias gradient
+  at::Tensor
+      weight_main_grad;       ///< fp32 accumulation buffer (fuse_wgrad_accumulation), or undefined
+  at::Tensor bias_main_grad;  ///< likewise for the bias
 
   /// The parameters this item contributes to (weight if it trains, then bias if any).
   std::vector<at::Tensor> targets() const;
@@ -54,8 +56,8 @@ class WgradStore {
 
   /// Queues an item at the back of its layer's FIFO. The layer must be registered.
   void push(DeferredWgrad item);
-  /// Takes the layer's items of the oldest pass it has pending (all of them: a layer applied several
-  /// times in one forward queues several items in one pass). Empty if the layer has none.
+  /// Takes the layer's items of the oldest pass it has pending (all of them: a layer applied
+  /// several times in one forward queues several items in one pass). Empty if the layer has none.
   std::vector<DeferredWgrad> take_oldest_pass(LayerId layer);
   /// Takes every queued item, oldest first.
   std::vector<DeferredWgrad> take_all();
@@ -65,8 +67,8 @@ class WgradStore {
   /// Number of queued items, in all layers or in one.
   size_t pending() const;
   size_t pending(LayerId layer) const;
-  /// Layers that have queued items, in registration order. With `params` non-empty, only those whose
-  /// items feed one of `params`.
+  /// Layers that have queued items, in registration order. With `params` non-empty, only those
+  /// whose items feed one of `params`.
   std::vector<LayerId> layers_with_pending(const std::vector<at::Tensor>& params = {}) const;
 
  private:
@@ -75,7 +77,11 @@ class WgradStore {
   uint64_t next_seq_ = 1;
   size_t pending_ = 0;
   std::map<LayerId, std::string> names_;
-  std::map<LayerId, std::deque<DeferredWgrad>> queues_;
+  struct LayerQueue {
+    std::deque<DeferredWgrad> items;              // in queue order
+    std::unordered_map<PassId, size_t> per_pass;  // items per pass, so a take is O(its items)
+  };
+  std::map<LayerId, LayerQueue> queues_;
 };
 
 }  // namespace splitgrad::core

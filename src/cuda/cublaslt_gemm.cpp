@@ -102,29 +102,28 @@ PlanKey key_of(const GemmArgs& args) {
                  device};
 }
 
-#define SPLITGRAD_CUBLAS_TRY(call, what)                  \
-  do {                                                    \
-    const cublasStatus_t status_ = (call);                \
-    if (status_ != CUBLAS_STATUS_SUCCESS) {               \
-      plan->status = GemmStatus{false, what, status_};    \
-      return plan;                                        \
-    }                                                     \
+#define SPLITGRAD_CUBLAS_TRY(call, what)               \
+  do {                                                 \
+    const cublasStatus_t status_ = (call);             \
+    if (status_ != CUBLAS_STATUS_SUCCESS) {            \
+      plan->status = GemmStatus{false, what, status_}; \
+      return plan;                                     \
+    }                                                  \
   } while (0)
 
-std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args,
-                                const PlanKey& key) {
+std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, const PlanKey& key) {
   auto plan = std::make_unique<Plan>();
   const cudaDataType_t scale_type = CUDA_R_32F;
   SPLITGRAD_CUBLAS_TRY(cublasLtMatmulDescCreate(&plan->desc, args.compute, scale_type),
                        "cublasLtMatmulDescCreate");
   const cublasOperation_t op_a = args.a.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = args.b.transposed ? CUBLAS_OP_T : CUBLAS_OP_N;
-  SPLITGRAD_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA,
-                                                      &op_a, sizeof(op_a)),
-                       "setting TRANSA");
-  SPLITGRAD_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB,
-                                                      &op_b, sizeof(op_b)),
-                       "setting TRANSB");
+  SPLITGRAD_CUBLAS_TRY(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)),
+      "setting TRANSA");
+  SPLITGRAD_CUBLAS_TRY(
+      cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)),
+      "setting TRANSB");
   if (args.epilogue != Epilogue::kNone) {
     const cublasLtEpilogue_t epilogue =
         args.epilogue == Epilogue::kBias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_BGRADB;
@@ -169,13 +168,12 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args,
   }
   cublasLtMatmulHeuristicResult_t result{};
   int count = 0;
-  SPLITGRAD_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b,
-                                                      plan->d, plan->d, preference, 1, &result,
-                                                      &count),
+  SPLITGRAD_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
+                                                      plan->d, preference, 1, &result, &count),
                        "cublasLtMatmulAlgoGetHeuristic");
   if (count == 0) {
-    plan->status = GemmStatus{false, "cuBLASLt has no algorithm for this GEMM",
-                              CUBLAS_STATUS_NOT_SUPPORTED};
+    plan->status =
+        GemmStatus{false, "cuBLASLt has no algorithm for this GEMM", CUBLAS_STATUS_NOT_SUPPORTED};
     return plan;
   }
   plan->algo = result.algo;
@@ -196,20 +194,21 @@ Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args) {
 }  // namespace
 
 GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream) {
-  std::lock_guard<std::mutex> lock(cache_mutex);  // the cached descriptor's bias pointer is per call
+  std::lock_guard<std::mutex> lock(
+      cache_mutex);  // the cached descriptor's bias pointer is per call
   Plan& plan = plan_for(handle, args);
   if (!plan.found) return plan.status;
   if (args.epilogue != Epilogue::kNone) {
     const cublasStatus_t status = cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias, sizeof(args.bias));
-    if (status != CUBLAS_STATUS_SUCCESS) return GemmStatus{false, "setting the bias pointer", status};
+    if (status != CUBLAS_STATUS_SUCCESS)
+      return GemmStatus{false, "setting the bias pointer", status};
   }
   const float alpha = 1.0f;
   const float beta = args.accumulate == Accumulate::kAdd ? 1.0f : 0.0f;
-  const cublasStatus_t status =
-      cublasLtMatmul(handle, plan.desc, &alpha, args.a.data, plan.a, args.b.data, plan.b, &beta,
-                     args.d, plan.d, args.d, plan.d, &plan.algo, args.workspace,
-                     args.workspace_bytes, stream);
+  const cublasStatus_t status = cublasLtMatmul(
+      handle, plan.desc, &alpha, args.a.data, plan.a, args.b.data, plan.b, &beta, args.d, plan.d,
+      args.d, plan.d, &plan.algo, args.workspace, args.workspace_bytes, stream);
   if (status != CUBLAS_STATUS_SUCCESS) return GemmStatus{false, "cublasLtMatmul", status};
   return GemmStatus{};
 }

@@ -34,17 +34,17 @@ struct Operand {
 };
 
 struct GemmArgs {
-  int64_t m = 0;  ///< rows of D and op(A)
-  int64_t n = 0;  ///< columns of D and op(B)
-  int64_t k = 0;  ///< columns of op(A), rows of op(B)
-  Operand a;      ///< op(A): [m, k]
-  Operand b;      ///< op(B): [k, n]
-  void* d = nullptr;                ///< D: column-major [m, n], leading dimension ldd
+  int64_t m = 0;      ///< rows of D and op(A)
+  int64_t n = 0;      ///< columns of D and op(B)
+  int64_t k = 0;      ///< columns of op(A), rows of op(B)
+  Operand a;          ///< op(A): [m, k]
+  Operand b;          ///< op(B): [k, n]
+  void* d = nullptr;  ///< D: column-major [m, n], leading dimension ldd
   cudaDataType_t d_type = CUDA_R_32F;
   int64_t ldd = 0;
   Accumulate accumulate = Accumulate::kOverwrite;
   Epilogue epilogue = Epilogue::kNone;
-  void* bias = nullptr;             ///< read (kBias) or written (kBiasGradB)
+  void* bias = nullptr;  ///< read (kBias) or written (kBiasGradB)
   cudaDataType_t bias_type = CUDA_R_32F;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  ///< CUBLAS_COMPUTE_32F_FAST_TF32 allows TF32
   void* workspace = nullptr;

@@ -4,7 +4,8 @@
 //   dgrad  dx = dy·W
 //   wgrad  dW = dyᵀ·x      written straight into its target (beta = 1 adds to main_grad or .grad),
 //          db = Σ dy       in the same GEMM's epilogue (BGRADB) where cuBLASLt allows
-// Row-major [r, c] tensors are column-major [c, r] to cuBLAS; transposes are GEMM flags, not copies.
+// Row-major [r, c] tensors are column-major [c, r] to cuBLAS; transposes are GEMM flags, not
+// copies.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,9 +29,12 @@ bool covered(at::ScalarType type) {
 
 cudaDataType_t cuda_type(at::ScalarType type) {
   switch (type) {
-    case at::kFloat: return CUDA_R_32F;
-    case at::kBFloat16: return CUDA_R_16BF;
-    case at::kHalf: return CUDA_R_16F;
+    case at::kFloat:
+      return CUDA_R_32F;
+    case at::kBFloat16:
+      return CUDA_R_16BF;
+    case at::kHalf:
+      return CUDA_R_16F;
     default:
       TORCH_CHECK_TYPE(false, "splitgrad cuBLASLt back end: unsupported dtype ",
                        detail::dtype_name(type));
@@ -44,14 +48,13 @@ cublasComputeType_t compute_type(at::ScalarType inputs) {
              : CUBLAS_COMPUTE_32F;
 }
 
-at::Tensor flatten_tokens(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }
-
 // `t` (2-D, logically row-major [r, c]) as a GEMM operand whose op() must equal t itself
-// (`use_as_is`) or tᵀ. To cuBLAS a row-major tensor is tᵀ stored column-major, a column-major one is
-// t; any other layout is copied to row-major first (kept alive in `storage`).
+// (`use_as_is`) or tᵀ. To cuBLAS a row-major tensor is tᵀ stored column-major, a column-major one
+// is t; any other layout is copied to row-major first (kept alive in `storage`).
 Operand operand(const at::Tensor& t, bool use_as_is, at::Tensor& storage) {
   const int64_t rows = t.size(0), cols = t.size(1);
-  const bool row_major = (t.stride(1) == 1 || cols == 1) && t.stride(0) >= std::max<int64_t>(cols, 1);
+  const bool row_major =
+      (t.stride(1) == 1 || cols == 1) && t.stride(0) >= std::max<int64_t>(cols, 1);
   const bool column_major =
       !row_major && (t.stride(0) == 1 || rows == 1) && t.stride(1) >= std::max<int64_t>(rows, 1);
   storage = row_major || column_major ? t : t.contiguous();
@@ -97,7 +100,7 @@ at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
   detail::check_linear_args(detail::named("splitgrad::linear_fprop"), input, weight, bias);
   if (!covered(input.scalar_type())) return aten_backend::linear_fprop(input, weight, bias);
   const c10::cuda::CUDAGuard guard(input.device());
-  const at::Tensor x = flatten_tokens(input);
+  const at::Tensor x = detail::flatten_tokens(input);
   const int64_t tokens = x.size(0), in = weight.size(1), out = weight.size(0);
   at::Tensor y = at::empty({tokens, out}, input.options());
   const bool has_bias = bias.has_value() && bias->defined();
@@ -122,14 +125,14 @@ at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
       run(args, "fprop", x, weight);
     }
   }
-  return y.view(detail::with_last_dim(input.sizes(), out));
+  return input.dim() == 2 ? y : y.view(detail::with_last_dim(input.sizes(), out));
 }
 
 at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight) {
   detail::check_dgrad_args(detail::named("splitgrad::linear_dgrad"), grad_output, weight);
   if (!covered(grad_output.scalar_type())) return aten_backend::linear_dgrad(grad_output, weight);
   const c10::cuda::CUDAGuard guard(grad_output.device());
-  const at::Tensor dy = flatten_tokens(grad_output);
+  const at::Tensor dy = detail::flatten_tokens(grad_output);
   const int64_t tokens = dy.size(0), in = weight.size(1), out = weight.size(0);
   at::Tensor dx = at::empty({tokens, in}, grad_output.options());
   if (tokens > 0 && in > 0) {
@@ -147,14 +150,14 @@ at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight)
       run(args, "dgrad", dy, weight);
     }
   }
-  return dx.view(detail::with_last_dim(grad_output.sizes(), in));
+  return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
 }
 
-// dW (into `weight_target`, row-major [out, in]) and optionally db (into `bias_target`), by one GEMM
-// D (col-major [in, out]) = op(A) [in, tokens] · op(B) [tokens, out], A = xᵀ, B = dy, whose BGRADB
-// epilogue writes Σ_tokens dy. `accumulate` adds to the weight target; db is always written, so
-// callers that accumulate the bias pass a scratch buffer and add it themselves.
-// Returns false if the bias could not be fused (the caller then reduces dy itself).
+// dW (into `weight_target`, row-major [out, in]) and optionally db (into `bias_target`), by one
+// GEMM D (col-major [in, out]) = op(A) [in, tokens] · op(B) [tokens, out], A = xᵀ, B = dy, whose
+// BGRADB epilogue writes Σ_tokens dy. `accumulate` adds to the weight target; db is always written,
+// so callers that accumulate the bias pass a scratch buffer and add it themselves. Returns false if
+// the bias could not be fused (the caller then reduces dy itself).
 bool wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight_target,
                 Accumulate accumulate, const at::Tensor& bias_target) {
   at::Tensor a_storage, b_storage;
@@ -189,8 +192,8 @@ std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
     return aten_backend::linear_wgrad(grad_output, input, compute_bias_grad);
   }
   const c10::cuda::CUDAGuard guard(input.device());
-  const at::Tensor dy = flatten_tokens(grad_output);
-  const at::Tensor x = flatten_tokens(input);
+  const at::Tensor dy = detail::flatten_tokens(grad_output);
+  const at::Tensor x = detail::flatten_tokens(input);
   const int64_t out = dy.size(1), in = x.size(1);
   at::Tensor weight_grad = at::empty({out, in}, input.options());
   at::Tensor bias_grad = at::empty({compute_bias_grad ? out : 0}, input.options());
@@ -211,16 +214,16 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
                                       grad_output, input, weight_grad, bias_grad);
   const bool want_weight = weight_grad.has_value() && weight_grad->defined();
   const bool want_bias = bias_grad.has_value() && bias_grad->defined();
-  const bool weight_direct = !want_weight || (covered(weight_grad->scalar_type()) &&
-                                              writable_row_major(*weight_grad));
+  const bool weight_direct =
+      !want_weight || (covered(weight_grad->scalar_type()) && writable_row_major(*weight_grad));
   if (!covered(input.scalar_type()) || !weight_direct) {
     return aten_backend::linear_wgrad_accumulate_(grad_output, input, weight_grad, bias_grad);
   }
   const c10::cuda::CUDAGuard guard(input.device());
-  const at::Tensor dy = flatten_tokens(grad_output);
-  const at::Tensor x = flatten_tokens(input);
+  const at::Tensor dy = detail::flatten_tokens(grad_output);
+  const at::Tensor x = detail::flatten_tokens(input);
   if (dy.size(0) == 0 || dy.size(1) == 0) return;  // adds zero
-  if (!want_weight) {  // frozen weight: only the bias trains
+  if (!want_weight) {                              // frozen weight: only the bias trains
     bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
     return;
   }

@@ -4,6 +4,10 @@
 
 namespace splitgrad::detail {
 
+at::Tensor flatten_tokens(const at::Tensor& t) {
+  return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+}
+
 std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last) {
   std::vector<int64_t> out(sizes.begin(), sizes.end());
   out.back() = last;
@@ -12,11 +16,16 @@ std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last) {
 
 std::string dtype_name(at::ScalarType type) {
   switch (type) {
-    case at::kFloat: return "torch.float32";
-    case at::kDouble: return "torch.float64";
-    case at::kHalf: return "torch.float16";
-    case at::kBFloat16: return "torch.bfloat16";
-    default: return std::string("torch.") + c10::toString(type);
+    case at::kFloat:
+      return "torch.float32";
+    case at::kDouble:
+      return "torch.float64";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    default:
+      return std::string("torch.") + c10::toString(type);
   }
 }
 
@@ -26,8 +35,8 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
                     "in_features], got shape ", weight.sizes());
   const int64_t in_features = weight.size(1);
   TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == in_features, who(),
-                    ": expected input of shape [*, ", in_features, "] (in_features = ",
-                    in_features, "), got shape ", input.sizes());
+                    ": expected input of shape [*, ", in_features, "] (in_features = ", in_features,
+                    "), got shape ", input.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(weight.scalar_type()), who(),
                    ": expected a floating-point weight, got ", dtype_name(weight.scalar_type()));
   TORCH_CHECK_TYPE(input.scalar_type() == weight.scalar_type(), who(), ": expected input of dtype ",
@@ -47,8 +56,7 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
   }
 }
 
-void check_wgrad_args(Who who, const at::Tensor& grad_output,
-                      const at::Tensor& input) {
+void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input) {
   TORCH_CHECK_VALUE(grad_output.dim() >= 1 && input.dim() == grad_output.dim(), who(),
                     ": expected grad_output [*, out_features] and input [*, in_features] with the ",
                     "same leading dims, got shapes ", grad_output.sizes(), " and ", input.sizes());
@@ -64,10 +72,10 @@ void check_wgrad_args(Who who, const at::Tensor& grad_output,
 }
 
 void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& weight) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && grad_output.dim() >= 1 &&
-                        grad_output.size(-1) == weight.size(0),
-                    who(), ": expected grad_output of shape [*, ", weight.size(0),
-                    "] for a weight of shape ", weight.sizes(), ", got ", grad_output.sizes());
+  TORCH_CHECK_VALUE(
+      weight.dim() == 2 && grad_output.dim() >= 1 && grad_output.size(-1) == weight.size(0), who(),
+      ": expected grad_output of shape [*, ", weight.size(0), "] for a weight of shape ",
+      weight.sizes(), ", got ", grad_output.sizes());
   TORCH_CHECK_TYPE(grad_output.scalar_type() == weight.scalar_type(), who(),
                    ": expected grad_output of dtype ", dtype_name(weight.scalar_type()),
                    " (the weight's), got ", dtype_name(grad_output.scalar_type()));
@@ -80,10 +88,9 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
   const int64_t out = grad_output.size(-1);
   const int64_t in = input.size(-1);
   if (weight_grad.has_value() && weight_grad->defined()) {
-    TORCH_CHECK_VALUE(weight_grad->dim() == 2 && weight_grad->size(0) == out &&
-                          weight_grad->size(1) == in,
-                      who(), ": expected weight_grad of shape [", out, ", ", in, "], got ",
-                      weight_grad->sizes());
+    TORCH_CHECK_VALUE(
+        weight_grad->dim() == 2 && weight_grad->size(0) == out && weight_grad->size(1) == in, who(),
+        ": expected weight_grad of shape [", out, ", ", in, "], got ", weight_grad->sizes());
     TORCH_CHECK_TYPE(at::isFloatingType(weight_grad->scalar_type()), who(),
                      ": expected a floating-point weight_grad, got ",
                      dtype_name(weight_grad->scalar_type()));
@@ -98,8 +105,8 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
   }
 }
 
-void check_main_grad(Who who, const std::string& param_name,
-                     const at::Tensor& main_grad, const at::Tensor& param) {
+void check_main_grad(Who who, const std::string& param_name, const at::Tensor& main_grad,
+                     const at::Tensor& param) {
   TORCH_CHECK_VALUE(main_grad.defined(), who(), ": fuse_wgrad_accumulation=True needs ", param_name,
                     ".main_grad, an fp32 tensor of shape ", param.sizes(), "; it is not set");
   TORCH_CHECK_VALUE(main_grad.sizes() == param.sizes(), who(), ": expected ", param_name,

@@ -19,6 +19,9 @@ inline auto named(const char* name) {
   return [name] { return std::string(name); };
 }
 
+/// [*, features] as [tokens, features]; 2-D inputs as they are (no view to make).
+at::Tensor flatten_tokens(const at::Tensor& t);
+
 /// `sizes` with its last entry replaced: the output shape of a linear map over [*, features].
 std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last);
 
@@ -30,8 +33,7 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
                        const std::optional<at::Tensor>& bias);
 
 /// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.
-void check_wgrad_args(Who who, const at::Tensor& grad_output,
-                      const at::Tensor& input);
+void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input);
 
 /// grad_output [*, out_features] for a weight [out_features, in_features].
 void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& weight);
@@ -42,7 +44,7 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
                                  const std::optional<at::Tensor>& bias_grad);
 
 /// main_grad: fp32, param's shape, param's device (Megatron's contract).
-void check_main_grad(Who who, const std::string& param_name,
-                     const at::Tensor& main_grad, const at::Tensor& param);
+void check_main_grad(Who who, const std::string& param_name, const at::Tensor& main_grad,
+                     const at::Tensor& param);
 
 }  // namespace splitgrad::detail

@@ -1,4 +1,6 @@
 // Running deferred wgrad work, the grad-ready hooks API, and main_grad bookkeeping.
+#include "splitgrad/deferred.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
@@ -10,7 +12,6 @@
 #include <unordered_map>
 
 #include "ops/deferred_internal.h"
-#include "splitgrad/deferred.h"
 #include "splitgrad/ops.h"
 
 namespace splitgrad {
@@ -91,7 +92,8 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
   if (sinks.weight.defined() && sinks.weight_main_grad.defined()) {
     notify_main_grad_accumulated(sinks.weight);
   }
-  if (sinks.bias.defined() && sinks.bias_main_grad.defined()) notify_main_grad_accumulated(sinks.bias);
+  if (sinks.bias.defined() && sinks.bias_main_grad.defined())
+    notify_main_grad_accumulated(sinks.bias);
 }
 
 }  // namespace detail
@@ -116,7 +118,8 @@ std::string stale_reason(const DeferredWgrad& item) {
 }
 
 void drop(const DeferredWgrad& item) {
-  for (const auto& target : item.targets()) GradLedger::instance().deferred_dropped(target, item.pass);
+  for (const auto& target : item.targets())
+    GradLedger::instance().deferred_dropped(target, item.pass);
 }
 
 // Runs items in order. Items whose stashed tensors changed are dropped and reported; then nothing
@@ -142,8 +145,9 @@ void run(std::vector<DeferredWgrad> items) {
   for (size_t i = 0; i < runnable.size(); ++i) {
     DeferredWgrad& item = runnable[i];
     try {
-      detail::accumulate_wgrad(item.grad_output, item.input,
-                               {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
+      detail::accumulate_wgrad(
+          item.grad_output, item.input,
+          {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
     } catch (...) {
       drop(item);
       store.restore(std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
@@ -171,14 +175,16 @@ void run(std::vector<DeferredWgrad> items) {
 
 }  // namespace
 
-LayerHandle::LayerHandle(std::string name) : id_(WgradStore::instance().register_layer(std::move(name))) {}
+LayerHandle::LayerHandle(std::string name)
+    : id_(WgradStore::instance().register_layer(std::move(name))) {}
 
 LayerHandle::~LayerHandle() {
   const std::string label = detail::layer_label(id_);
   if (const int64_t dropped = release()) {
-    TORCH_WARN(label, " was destroyed with ", dropped,
-               " deferred wgrad item(s) pending; their stashed tensors were freed and those "
-               "gradient contributions were discarded. Call backward_dw() before deleting a layer.");
+    TORCH_WARN(
+        label, " was destroyed with ", dropped,
+        " deferred wgrad item(s) pending; their stashed tensors were freed and those "
+        "gradient contributions were discarded. Call backward_dw() before deleting a layer.");
   }
 }
 
@@ -191,8 +197,12 @@ int64_t LayerHandle::release() {
 }
 
 std::string LayerHandle::name() const { return WgradStore::instance().layer_name(id_); }
-void LayerHandle::set_name(std::string name) { WgradStore::instance().rename_layer(id_, std::move(name)); }
-int64_t LayerHandle::pending() const { return static_cast<int64_t>(WgradStore::instance().pending(id_)); }
+void LayerHandle::set_name(std::string name) {
+  WgradStore::instance().rename_layer(id_, std::move(name));
+}
+int64_t LayerHandle::pending() const {
+  return static_cast<int64_t>(WgradStore::instance().pending(id_));
+}
 
 void LayerHandle::backward_dw() {
   std::vector<DeferredWgrad> items = WgradStore::instance().take_oldest_pass(id_);
@@ -222,8 +232,9 @@ struct GradReadyHookHandle::State {
 };
 
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook) {
-  TORCH_CHECK_VALUE(param.defined(), "register_grad_ready_hook: expected a parameter, got an "
-                                     "undefined tensor");
+  TORCH_CHECK_VALUE(param.defined(),
+                    "register_grad_ready_hook: expected a parameter, got an "
+                    "undefined tensor");
   TORCH_CHECK_VALUE(param.is_leaf() && param.requires_grad(),
                     "register_grad_ready_hook: expected a leaf tensor that requires grad (a "
                     "parameter), got one with is_leaf=",
@@ -254,9 +265,7 @@ void GradReadyHookHandle::remove() {
 
 namespace {
 std::mutex main_grad_mutex;
-std::unordered_map<const c10::TensorImpl*,
-                   std::pair<core::WeakTensor, at::Tensor>>
-    main_grads;
+std::unordered_map<const c10::TensorImpl*, std::pair<core::WeakTensor, at::Tensor>> main_grads;
 }  // namespace
 
 void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad) {

@@ -16,7 +16,8 @@ at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
 
 at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight) {
   detail::check_dgrad_args(detail::named("splitgrad::linear_dgrad"), grad_output, weight);
-  return at::empty(detail::with_last_dim(grad_output.sizes(), weight.size(1)), grad_output.options());
+  return at::empty(detail::with_last_dim(grad_output.sizes(), weight.size(1)),
+                   grad_output.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,

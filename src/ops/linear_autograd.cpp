@@ -20,9 +20,11 @@ using OptTensor = std::optional<at::Tensor>;
 at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
-                      const at::Tensor& weight, const OptTensor& bias, const OptTensor& weight_main_grad,
-                      const OptTensor& bias_main_grad) {
-  auto who = [&] { return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear"); };
+                      const at::Tensor& weight, const OptTensor& bias,
+                      const OptTensor& weight_main_grad, const OptTensor& bias_main_grad) {
+  auto who = [&] {
+    return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear");
+  };
   check_linear_args(who, input, weight, bias);
   if (weight_main_grad.has_value()) check_main_grad(who, "weight", *weight_main_grad, weight);
   if (bias_main_grad.has_value()) {
@@ -32,7 +34,8 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
   }
   TORCH_CHECK_VALUE(!delay || core::WgradStore::instance().is_registered(layer_id), who(),
                     ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
-                    "store (layer_id ", layer_id, " is not)");
+                    "store (layer_id ",
+                    layer_id, " is not)");
 }
 
 class LinearFunction : public torch::autograd::Function<LinearFunction> {

@@ -13,13 +13,14 @@ using OptTensor = std::optional<at::Tensor>;
 }  // namespace
 
 at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias) {
-  static auto handle =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>("splitgrad::linear_fprop");
+  static auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+      "splitgrad::linear_fprop");
   return handle.call(input, weight, bias);
 }
 
 at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight) {
-  static auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&)>("splitgrad::linear_dgrad");
+  static auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&)>("splitgrad::linear_dgrad");
   return handle.call(grad_output, weight);
 }
 

@@ -5,7 +5,8 @@
 TORCH_LIBRARY(splitgrad, m) {
   m.def("linear_fprop(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
   m.def("linear_dgrad(Tensor grad_output, Tensor weight) -> Tensor");
-  m.def("linear_wgrad(Tensor grad_output, Tensor input, bool compute_bias_grad) -> (Tensor, Tensor)");
+  m.def(
+      "linear_wgrad(Tensor grad_output, Tensor input, bool compute_bias_grad) -> (Tensor, Tensor)");
   m.def(
       "linear_wgrad_accumulate_(Tensor grad_output, Tensor input, Tensor(a!)? weight_grad, "
       "Tensor(b!)? bias_grad) -> ()");

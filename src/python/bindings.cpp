@@ -49,34 +49,37 @@ PYBIND11_MODULE(_C, m) {
            [](const splitgrad::LayerHandle& self, py::dict) {
              return std::make_shared<splitgrad::LayerHandle>(self.name());
            })
-      .def(py::pickle([](const splitgrad::LayerHandle& self) { return py::make_tuple(self.name()); },
-                      [](py::tuple state) {
-                        return std::make_shared<splitgrad::LayerHandle>(
-                            state[0].cast<std::string>());
-                      }));
+      .def(py::pickle(
+          [](const splitgrad::LayerHandle& self) { return py::make_tuple(self.name()); },
+          [](py::tuple state) {
+            return std::make_shared<splitgrad::LayerHandle>(state[0].cast<std::string>());
+          }));
 
   py::class_<splitgrad::GradReadyHookHandle>(m, "GradReadyHookHandle")
       .def("remove", &splitgrad::GradReadyHookHandle::remove)
       .def_property_readonly("active", &splitgrad::GradReadyHookHandle::active);
 
-  m.def("backward_dw_all", [] {
-          HANDLE_TH_ERRORS
-          py::gil_scoped_release no_gil;
-          splitgrad::backward_dw_all();
-          END_HANDLE_TH_ERRORS_PYBIND
-        },
-        "Runs every pending deferred wgrad in the process, oldest first.");
+  m.def(
+      "backward_dw_all",
+      [] {
+        HANDLE_TH_ERRORS
+        py::gil_scoped_release no_gil;
+        splitgrad::backward_dw_all();
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      "Runs every pending deferred wgrad in the process, oldest first.");
   m.def("pending_wgrads", &splitgrad::pending_wgrads,
         "How many deferred wgrad items are waiting (all layers).");
-  m.def("layers_with_pending_wgrads",
-        &splitgrad::layers_with_pending_wgrads,
+  m.def("layers_with_pending_wgrads", &splitgrad::layers_with_pending_wgrads,
         py::arg("params") = std::vector<at::Tensor>{});
-  m.def("register_grad_ready_hook", [](const at::Tensor& param, py::function fn) {
-          HANDLE_TH_ERRORS
-          return splitgrad::register_grad_ready_hook(param, python_callback<const at::Tensor&>(fn));
-          END_HANDLE_TH_ERRORS_PYBIND
-        },
-        py::arg("param"), py::arg("hook"));
+  m.def(
+      "register_grad_ready_hook",
+      [](const at::Tensor& param, py::function fn) {
+        HANDLE_TH_ERRORS
+        return splitgrad::register_grad_ready_hook(param, python_callback<const at::Tensor&>(fn));
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("param"), py::arg("hook"));
   m.def("set_main_grad_accumulated_callback", [](py::object fn) {
     splitgrad::set_main_grad_accumulated_callback(
         fn.is_none() ? nullptr : python_callback<const at::Tensor&>(fn.cast<py::function>()));

@@ -1,0 +1,47 @@
+"""Which GPU kernels one call of each splitgrad op launches, and for how long (torch.profiler).
+Shows, for example, whether the bias gradient ran in the wgrad GEMM's epilogue or as a reduction.
+
+    python benchmarks/profile_kernels.py [--tokens 8192] [--hidden 4096]
+"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import splitgrad  # noqa: F401
+
+
+def show(label, fn):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    print(f"{label}:")
+    for e in kernels:
+        print(f"    {e.device_time_total:9.1f} µs  {e.name[:110]}")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    args = parser.parse_args()
+    t, h = args.tokens, args.hidden
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    main_grad = torch.zeros(h, h, device="cuda")
+    bias_main_grad = torch.zeros(h, device="cuda")
+    ops = torch.ops.splitgrad
+    show("wgrad_accumulate_ into fp32 main_grad, no bias", lambda: ops.linear_wgrad_accumulate_(dy, x, main_grad, None))
+    show("wgrad_accumulate_ into fp32 main_grad, with bias", lambda: ops.linear_wgrad_accumulate_(dy, x, main_grad, bias_main_grad))
+    show("wgrad fresh bf16, with bias", lambda: ops.linear_wgrad(dy, x, True))
+    show("wgrad fresh bf16, no bias", lambda: ops.linear_wgrad(dy, x, False))
+    show("dy.sum(0) alone", lambda: dy.sum(0))
+
+
+if __name__ == "__main__":
+    main()

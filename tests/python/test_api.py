@@ -1,0 +1,196 @@
+"""SPEC §2: the Python API — te.Linear's constructor keywords, module behaviour (state_dict, .to,
+deepcopy), name_layers, and ``import splitgrad as te`` as a drop-in."""
+
+import copy
+import inspect
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import splitgrad
+import splitgrad as te
+from sg_helpers import assert_grads_match, backward_dw_each, make_data, to_reference
+
+TE_KEYWORDS = ("params_dtype", "device", "delay_wgrad_compute", "fuse_wgrad_accumulation", "init_method")
+
+
+def test_constructor_defaults():
+    layer = splitgrad.Linear(8, 4)
+    assert (layer.in_features, layer.out_features) == (8, 4)
+    assert layer.weight.shape == (4, 8) and layer.bias.shape == (4,)
+    assert layer.delay_wgrad_compute is False and layer.fuse_wgrad_accumulation is False
+    assert layer.weight.dtype == torch.get_default_dtype() == layer.bias.dtype
+    expected_device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert layer.weight.device.type == expected_device
+    assert layer.name == f"Linear(8, 4)#{layer._layer_id}"
+    # nn.Linear's initialisation: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias
+    bound = 1 / math.sqrt(8)
+    assert layer.weight.abs().max() <= bound and layer.bias.abs().max() <= bound
+    assert layer.pending_wgrads() == 0
+
+
+def test_constructor_keywords():
+    seen = []
+    layer = splitgrad.Linear(8, 4, bias=False, params_dtype=torch.bfloat16, device="cpu",
+                             delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
+                             init_method=lambda w: (seen.append(w), nn.init.ones_(w)), name="fc")
+    assert layer.bias is None
+    assert layer.weight.dtype == torch.bfloat16 and layer.weight.device.type == "cpu"
+    assert layer.delay_wgrad_compute and layer.fuse_wgrad_accumulation and layer.name == "fc"
+    assert seen == [layer.weight] and torch.equal(layer.weight, torch.ones_like(layer.weight))
+    text = repr(layer)
+    assert "delay_wgrad_compute=True" in text and "'fc'" in text
+    params = inspect.signature(splitgrad.Linear).parameters
+    for keyword in TE_KEYWORDS:
+        assert params[keyword].kind is inspect.Parameter.KEYWORD_ONLY
+    forward_params = inspect.signature(splitgrad.Linear.forward).parameters
+    assert forward_params["is_first_microbatch"].default is None
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="sequence_parallel"):
+        splitgrad.Linear(8, 4, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("args", [(0, 4), (8, -1), (8.0, 4), (True, 4)])
+def test_bad_sizes(args):
+    with pytest.raises(splitgrad.ArgumentError, match="positive int"):
+        splitgrad.Linear(*args, device="cpu")
+
+
+def test_bad_params_dtype():
+    with pytest.raises(splitgrad.DTypeError, match="floating-point params_dtype"):
+        splitgrad.Linear(8, 4, params_dtype=torch.int32, device="cpu")
+
+
+def test_bad_is_first_microbatch():
+    layer = splitgrad.Linear(8, 4, device="cpu")
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        layer(torch.randn(2, 8), is_first_microbatch=1)
+
+
+def test_state_dict_round_trip_with_nn_linear():
+    layer = splitgrad.Linear(8, 4, device="cpu", delay_wgrad_compute=True)
+    plain = nn.Linear(8, 4)
+    assert list(layer.state_dict()) == list(plain.state_dict()) == ["weight", "bias"]
+    layer.load_state_dict(plain.state_dict())
+    assert torch.equal(layer.weight, plain.weight) and torch.equal(layer.bias, plain.bias)
+    other = splitgrad.Linear(8, 4, device="cpu")
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other.weight, plain.weight)
+
+
+def test_to_dtype_keeps_tying():
+    model = nn.Sequential(splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True), nn.Tanh(),
+                          splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True))
+    model[2].weight = model[0].weight
+    model.to(torch.float64)
+    assert model[2].weight is model[0].weight and model[0].weight.dtype == torch.float64
+    reference = to_reference(model)
+    (x,), (gy,) = make_data(1, (3, 8), 8, dtype=torch.float64)
+    model(x).backward(gy)
+    reference(x).backward(gy)
+    backward_dw_each(model)
+    assert_grads_match(model, reference, exact=True)
+
+
+def test_deepcopy_is_an_independent_layer():
+    """A copy has its own registration and pending queue, keeps tying within the copy, and its
+    gradients are its own."""
+    model = nn.Sequential(splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True, name="a"),
+                          nn.Tanh(),
+                          splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True, name="b"))
+    model[2].weight = model[0].weight
+    (x,), (gy,) = make_data(1, (3, 8), 8)
+    model(x).backward(gy)  # pending work on the original
+    clone = copy.deepcopy(model)
+    assert clone[0]._layer_id != model[0]._layer_id
+    assert clone[0].name == "a" and clone[2].weight is clone[0].weight
+    assert clone[0].weight is not model[0].weight
+    assert clone[0].pending_wgrads() == 0 and model[0].pending_wgrads() == 1
+    with pytest.raises(RuntimeError, match="no backward pass has queued"):
+        clone[0].backward_dw()
+    backward_dw_each(model)  # the original's work lands on the original's parameters only
+    assert all(p.grad is None for p in clone.parameters())
+    reference = to_reference(clone)
+    clone(x).backward(gy)
+    reference(x).backward(gy)
+    assert model[0].pending_wgrads() == 0 and clone[0].pending_wgrads() == 1
+    backward_dw_each(clone)
+    assert_grads_match(clone, reference, exact=True)
+
+
+def test_deepcopy_keeps_reduce_hooks_on_its_own_parameters():
+    layer = splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda p: calls.append(p))
+    clone = copy.deepcopy(layer)
+    (x,), (gy,) = make_data(1, (3, 8), 8)
+    clone(x).backward(gy)
+    clone.backward_dw()
+    assert sorted(map(id, calls)) == sorted([id(clone.weight), id(clone.bias)])
+
+
+def test_name_layers():
+    model = nn.Sequential(
+        nn.ModuleDict({"attn": splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True),
+                       "mlp": nn.Sequential(nn.Linear(8, 8), splitgrad.Linear(8, 8, device="cpu"))}))
+    splitgrad.name_layers(model)
+    assert model[0]["attn"].name == "0.attn" and model[0]["mlp"][1].name == "0.mlp.1"
+    splitgrad.name_layers(model, prefix="decoder")
+    assert model[0]["attn"].name == "decoder.0.attn"
+    with pytest.raises(RuntimeError, match=r"'decoder\.0\.attn'"):
+        model[0]["attn"].backward_dw()
+    single = splitgrad.Linear(8, 8, device="cpu")
+    splitgrad.name_layers(single)
+    assert single.name == "Linear"
+
+
+def test_drop_in_for_transformer_engine():
+    """TE-style code: te.Linear, backward_dw(), fuse_wgrad_accumulation with Megatron's main_grad,
+    the TE hook name; checked against plain autograd."""
+    assert te.Linear is splitgrad.Linear
+    for name in ("Linear", "backward_dw_all", "pending_wgrads", "register_grad_ready_hook"):
+        assert hasattr(te, name) and name in te.__all__
+    layer = te.Linear(8, 8, bias=True, params_dtype=torch.float32, device="cpu",
+                      delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    for p in layer.parameters():
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    reduced = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: reduced.append(True))
+    reference = to_reference(layer)
+    (x,), (gy,) = make_data(1, (2, 3, 8), 8)
+    layer(x, is_first_microbatch=True).backward(gy)
+    reference(x).backward(gy)
+    layer.backward_dw()
+    assert reduced == [True, True]
+    assert_grads_match(layer, reference, exact=False)
+
+
+def test_exception_hierarchy():
+    assert issubclass(splitgrad.ArgumentError, ValueError) and issubclass(splitgrad.ArgumentError, RuntimeError)
+    assert issubclass(splitgrad.DTypeError, TypeError) and issubclass(splitgrad.DTypeError, RuntimeError)
+    assert issubclass(splitgrad.MainGradError, splitgrad.ArgumentError)
+    assert issubclass(splitgrad.PendingWgradError, RuntimeError)
+    assert issubclass(splitgrad.PendingWgradWarning, UserWarning)
+
+
+def test_pending_counts_and_layer_names():
+    a = splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True, name="a")
+    b = splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True, name="b")
+    b.weight = a.weight
+    x = torch.randn(2, 8)
+    b(a(x)).sum().backward()
+    b(x).sum().backward()
+    assert splitgrad.pending_wgrads() == 3 and a.pending_wgrads() == 1 and b.pending_wgrads() == 2
+    assert splitgrad.layers_with_pending_wgrads() == ["a", "b"]
+    assert splitgrad.layers_with_pending_wgrads([b.bias]) == ["b"]
+    assert splitgrad.layers_with_pending_wgrads([a.weight]) == ["a", "b"]
+    assert splitgrad.layers_with_pending_wgrads([nn.Parameter(torch.zeros(1))]) == []
+    b.backward_dw()
+    assert b.pending_wgrads() == 1
+    splitgrad.backward_dw_all()
+    assert splitgrad.pending_wgrads() == 0

@@ -1,0 +1,140 @@
+"""The cuBLASLt back end against PyTorch's own GEMMs (needs a CUDA GPU; skipped on the CPU).
+
+Low-precision results are judged against a float64 reference, with an error bound relative to
+PyTorch's own error on the same inputs (as flash-attention's tests do).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import splitgrad
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the cuBLASLt back end); runs on the GPU machine"
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SHAPES = [  # (tokens, in_features, out_features): odd sizes, one token, empty inputs
+    (0, 16, 24),
+    (1, 64, 32),
+    (7, 17, 33),
+    (129, 100, 1),
+    (256, 1, 48),
+    (333, 96, 130),
+]
+
+
+def assert_close_to_reference(ours, torch_result, reference, name):
+    """|ours - ref| may exceed PyTorch's own |torch - ref| by at most 2x plus a tiny floor."""
+    assert ours.shape == reference.shape, f"{name}: shape {tuple(ours.shape)} vs {tuple(reference.shape)}"
+    assert ours.dtype == torch_result.dtype, f"{name}: dtype {ours.dtype} vs {torch_result.dtype}"
+    assert torch.isfinite(ours).all(), f"{name}: non-finite values"
+    if reference.numel() == 0:
+        return
+    ours_error = (ours.double() - reference).abs().max().item()
+    torch_error = (torch_result.double() - reference).abs().max().item()
+    scale = reference.abs().max().item() + 1.0
+    assert ours_error <= 2 * torch_error + 1e-6 * scale, (
+        f"{name}: error {ours_error:.3e} vs PyTorch's {torch_error:.3e} (reference scale {scale:.3e})"
+    )
+
+
+def random(*shape, dtype):
+    return torch.randn(*shape, device="cuda", dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,in_features,out_features", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_products_match_torch(dtype, tokens, in_features, out_features, with_bias):
+    x = random(tokens, in_features, dtype=dtype)
+    w = random(out_features, in_features, dtype=dtype)
+    b = random(out_features, dtype=dtype) if with_bias else None
+    dy = random(tokens, out_features, dtype=dtype)
+
+    y = torch.ops.splitgrad.linear_fprop(x, w, b)
+    y_ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert_close_to_reference(y, F.linear(x, w, b), y_ref, "fprop")
+
+    dx = torch.ops.splitgrad.linear_dgrad(dy, w)
+    assert_close_to_reference(dx, dy @ w, dy.double() @ w.double(), "dgrad")
+
+    dw, db = torch.ops.splitgrad.linear_wgrad(dy, x, with_bias)
+    assert_close_to_reference(dw, dy.t() @ x, dy.double().t() @ x.double(), "wgrad")
+    if with_bias:
+        assert_close_to_reference(db, dy.sum(0), dy.double().sum(0), "bias grad")
+    else:
+        assert db.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_wgrad_accumulates_into_fp32_main_grad_in_place(dtype, with_bias):
+    tokens, in_features, out_features = 1024, 256, 384
+    x = random(tokens, in_features, dtype=dtype)
+    dy = random(tokens, out_features, dtype=dtype)
+    main_grad = torch.randn(out_features, in_features, device="cuda")
+    bias_main_grad = torch.randn(out_features, device="cuda") if with_bias else None
+    expected = main_grad.double() + dy.double().t() @ x.double()
+    expected_bias = bias_main_grad.double() + dy.double().sum(0) if with_bias else None
+    pointer = main_grad.data_ptr()
+
+    # Warm-up on copies: cuBLASLt plans and the workspace are made once, outside the measurement.
+    torch.ops.splitgrad.linear_wgrad_accumulate_(
+        dy, x, main_grad.clone(), None if bias_main_grad is None else bias_main_grad.clone()
+    )
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    torch.ops.splitgrad.linear_wgrad_accumulate_(dy, x, main_grad, bias_main_grad)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+
+    assert main_grad.data_ptr() == pointer, "main_grad was replaced instead of written in place"
+    # No temporary of dW's size: at most the bias gradient's scratch (out_features floats).
+    assert extra < out_features * in_features * 2, f"{extra} bytes allocated during the fused wgrad"
+    if not with_bias:
+        assert extra == 0, f"{extra} bytes allocated during the fused wgrad without bias"
+    tolerance = 1e-2 if dtype != torch.float32 else 2e-3
+    torch.testing.assert_close(main_grad.double(), expected, rtol=tolerance, atol=tolerance)
+    if with_bias:
+        torch.testing.assert_close(bias_main_grad.double(), expected_bias, rtol=tolerance, atol=tolerance)
+
+
+def test_non_contiguous_operands():
+    x = random(64, 96, dtype=torch.bfloat16).t()  # [96, 64], column-major
+    w = random(48, 64, dtype=torch.bfloat16)
+    y = torch.ops.splitgrad.linear_fprop(x, w, None)
+    assert_close_to_reference(y, F.linear(x, w), F.linear(x.double(), w.double()), "fprop, transposed x")
+    wide = random(32, 200, dtype=torch.bfloat16)[:, 10:74]  # row stride 200 > 64 columns
+    y = torch.ops.splitgrad.linear_fprop(wide, w, None)
+    assert_close_to_reference(y, F.linear(wide, w), F.linear(wide.double(), w.double()), "fprop, strided rows")
+    dy = random(32, 48, dtype=torch.bfloat16)
+    dw, _ = torch.ops.splitgrad.linear_wgrad(dy, wide, False)
+    assert_close_to_reference(dw, dy.t() @ wide, dy.double().t() @ wide.double(), "wgrad, strided rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tied_delayed_model_matches_autograd_on_cuda(dtype):
+    torch.manual_seed(0)
+    layers = [splitgrad.Linear(64, 64, params_dtype=dtype, device="cuda", delay_wgrad_compute=True) for _ in range(3)]
+    layers[2].weight = layers[0].weight
+    layers[1].bias = layers[0].bias
+    reference = [torch.nn.Linear(64, 64, dtype=dtype, device="cuda") for _ in range(3)]
+    for ours, ref in zip(layers, reference):
+        ref.load_state_dict(ours.state_dict())
+    reference[2].weight = reference[0].weight
+    reference[1].bias = reference[0].bias
+    x = random(16, 64, dtype=dtype)
+    for micro_batch in range(2):
+        h, r = x, x
+        for ours, ref in zip(layers, reference):
+            h, r = torch.tanh(ours(h)), torch.tanh(ref(r))
+        h.float().square().sum().backward()
+        r.float().square().sum().backward()
+    splitgrad.backward_dw_all()
+    tolerance = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)
+    for ours, ref in zip(layers, reference):
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad, **tolerance)
+        torch.testing.assert_close(ours.bias.grad, ref.bias.grad, **tolerance)

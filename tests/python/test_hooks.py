@@ -1,0 +1,272 @@
+"""Grad-ready hooks (SPEC §2): ``fn(param)`` once per backward pass, after the LAST contribution to
+``param`` (immediate or deferred, from any layer) has landed, when ``param``'s gradient already
+equals plain autograd's."""
+
+import pytest
+import torch
+from torch import nn
+
+import splitgrad
+from sg_helpers import (
+    assert_grads_match,
+    backward_dw_each,
+    gradient_of,
+    make_data,
+    run_schedule,
+    to_reference,
+)
+
+D = 8
+
+
+def linear(delay=True, **kw):
+    return splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=delay, **kw)
+
+
+class Recorder:
+    """Records backward/W events and hook calls in order; each hook call snapshots the gradient."""
+
+    def __init__(self):
+        self.events = []
+
+    def hook(self, label):
+        def fn(param):
+            self.events.append(("hook", label, gradient_of(param).clone()))
+        return fn
+
+    def mark(self, *event):
+        self.events.append(event)
+
+    def labels(self):
+        return [e[:2] if e[0] == "hook" else e for e in self.events]
+
+    def hook_grads(self, label):
+        return [e[2] for e in self.events if e[0] == "hook" and e[1] == label]
+
+
+@pytest.mark.parametrize("w_order", [(0, 1), (1, 0)], ids=["W a,b", "W b,a"])
+def test_hook_fires_after_last_tied_contribution(w_order):
+    """A weight tied between two delayed layers and a regular one: the hook fires once, right after
+    the second layer's backward_dw(), with the full gradient in place."""
+    model = nn.Sequential(linear(True, name="a"), nn.Tanh(), linear(True, name="b"), nn.Tanh(),
+                          linear(False, name="c"))
+    model[2].weight = model[0].weight
+    model[4].weight = model[0].weight
+    shared = model[0].weight
+    reference = to_reference(model)
+    rec = Recorder()
+    handle = splitgrad.register_grad_ready_hook(shared, rec.hook("shared"))
+    (x,), (gy,) = make_data(1, (4, D), D)
+
+    model(x).backward(gy)
+    rec.mark("B")
+    reference(x).backward(gy)
+    for i in w_order:
+        layer = model[2 * i]
+        rec.mark("W", layer.name)
+        layer.backward_dw()
+
+    last = model[2 * w_order[-1]].name
+    first = model[2 * w_order[0]].name
+    assert rec.labels() == [("B",), ("W", first), ("W", last), ("hook", "shared")]
+    # at the moment the hook ran, the gradient was complete
+    torch.testing.assert_close(rec.hook_grads("shared")[0], reference[0].weight.grad)
+    assert_grads_match(model, reference, exact=False)  # three terms on the shared weight
+    handle.remove()
+
+
+def test_hook_once_per_backward_pass():
+    """Two micro-batches (F0 F1 B0 B1 W0 W1): the hook fires once per pass, after that pass's W,
+    each time with the gradient accumulated so far equal to the reference's after that pass."""
+    model = nn.Sequential(linear(True), nn.Tanh(), linear(True))
+    model[2].weight = model[0].weight
+    reference = to_reference(model)
+    rec = Recorder()
+    splitgrad.register_grad_ready_hook(model[0].weight, rec.hook("w"))
+    splitgrad.register_grad_ready_hook(model[2].bias, rec.hook("b2"))
+    xs, gys = make_data(2, (4, D), D)
+
+    run_schedule("F0 F1 B0 B1", model, xs, gys)
+    rec.mark("B")
+    assert rec.labels() == [("B",)]
+    expected = []
+    for i in range(2):
+        reference(xs[i]).backward(gys[i])
+        expected.append(reference[0].weight.grad.clone())
+    for i in range(2):
+        rec.mark("W", i)
+        backward_dw_each(model)
+    assert rec.labels() == [("B",), ("W", 0), ("hook", "w"), ("hook", "b2"),
+                            ("W", 1), ("hook", "w"), ("hook", "b2")]
+    for got, want in zip(rec.hook_grads("w"), expected):
+        torch.testing.assert_close(got, want)
+    assert_grads_match(model, reference, exact=False)
+
+
+def test_hook_on_embedding_tied_to_delayed_output_layer():
+    """Mixed users: the embedding's contribution lands in backward, the tied delayed output layer's
+    in backward_dw(); the hook waits for the latter."""
+    vocab = 11
+    embed = nn.Embedding(vocab, D)
+    head = splitgrad.Linear(D, vocab, bias=False, device="cpu", delay_wgrad_compute=True)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, linear(True), nn.Tanh(), head)
+    reference = to_reference(model)
+    rec = Recorder()
+    splitgrad.register_grad_ready_hook(embed.weight, rec.hook("table"))
+    tokens = torch.randint(0, vocab, (3, 4))
+    gy = torch.randn(3, 4, vocab)
+    model(tokens).backward(gy)
+    rec.mark("B")
+    reference(tokens).backward(gy)
+    rec.mark("W", "hidden")
+    model[1].backward_dw()
+    rec.mark("W", "head")
+    head.backward_dw()
+    assert rec.labels() == [("B",), ("W", "hidden"), ("W", "head"), ("hook", "table")]
+    torch.testing.assert_close(rec.hook_grads("table")[0], reference[0].weight.grad, rtol=0, atol=0)
+    assert_grads_match(model, reference, exact=True)
+
+
+def test_hook_on_param_used_only_by_autograd_ops():
+    """A plain nn.Linear's weight: the hook fires once at the end of each backward pass."""
+    model = nn.Sequential(nn.Linear(D, D), nn.Tanh(), nn.Linear(D, D))
+    model[2].weight = model[0].weight
+    reference = to_reference(model)
+    rec = Recorder()
+    splitgrad.register_grad_ready_hook(model[0].weight, rec.hook("w"))
+    xs, gys = make_data(2, (4, D), D)
+    for i in range(2):
+        model(xs[i]).backward(gys[i])
+        rec.mark("B", i)
+        reference(xs[i]).backward(gys[i])
+        torch.testing.assert_close(rec.hook_grads("w")[-1], reference[0].weight.grad, rtol=0, atol=0)
+    assert rec.labels() == [("hook", "w"), ("B", 0), ("hook", "w"), ("B", 1)]
+
+
+def test_hook_on_regular_layer():
+    """A regular (non-delayed) splitgrad layer: the hook fires during backward(), once, after
+    both contributions to the tied weight."""
+    model = nn.Sequential(linear(False), nn.Tanh(), linear(False))
+    model[2].weight = model[0].weight
+    reference = to_reference(model)
+    rec = Recorder()
+    splitgrad.register_grad_ready_hook(model[0].weight, rec.hook("w"))
+    (x,), (gy,) = make_data(1, (4, D), D)
+    model(x).backward(gy)
+    rec.mark("B")
+    reference(x).backward(gy)
+    assert rec.labels() == [("hook", "w"), ("B",)]
+    torch.testing.assert_close(rec.hook_grads("w")[0], reference[0].weight.grad, rtol=0, atol=0)
+    model[0].backward_dw()  # a no-op on a regular layer: no second firing
+    assert rec.labels() == [("hook", "w"), ("B",)]
+
+
+def test_hook_with_fused_main_grad():
+    """With fuse_wgrad_accumulation the hook sees the complete main_grad and the flag set."""
+    model = nn.Sequential(linear(True, fuse_wgrad_accumulation=True), nn.Tanh(),
+                          linear(True, fuse_wgrad_accumulation=True))
+    model[2].weight = model[0].weight
+    for p in model.parameters():
+        p.main_grad = torch.zeros(p.shape)
+        p.grad_added_to_main_grad = False
+    reference = to_reference(model)
+    flags = []
+    rec = Recorder()
+    splitgrad.register_grad_ready_hook(model[0].weight, rec.hook("w"))
+    splitgrad.register_grad_ready_hook(model[0].weight, lambda p: flags.append(p.grad_added_to_main_grad))
+    (x,), (gy,) = make_data(1, (4, D), D)
+    model(x).backward(gy)
+    reference(x).backward(gy)
+    model[0].backward_dw()
+    assert rec.labels() == []
+    model[2].backward_dw()
+    assert rec.labels() == [("hook", "w")] and flags == [True]
+    torch.testing.assert_close(rec.hook_grads("w")[0], reference[0].weight.grad)
+
+
+def test_hook_removal():
+    model = nn.Sequential(linear(True))
+    calls = []
+    handle = splitgrad.register_grad_ready_hook(model[0].weight, calls.append)
+    keep = splitgrad.register_grad_ready_hook(model[0].weight, lambda p: calls.append("kept"))
+    (x,), (gy,) = make_data(1, (4, D), D)
+    model(x).backward(gy)
+    model[0].backward_dw()
+    assert len(calls) == 2 and calls[0] is model[0].weight
+    handle.remove()
+    assert not handle.active
+    handle.remove()  # idempotent
+    model(x).backward(gy)
+    model[0].backward_dw()
+    assert calls[2:] == ["kept"]
+    keep.remove()
+    model(x).backward(gy)
+    model[0].backward_dw()
+    assert len(calls) == 3
+
+
+def test_register_grad_ready_hook_rejects_non_parameters():
+    with pytest.raises(TypeError):
+        splitgrad.register_grad_ready_hook("not a tensor", lambda p: None)
+    with pytest.raises(TypeError):
+        splitgrad.register_grad_ready_hook(nn.Parameter(torch.zeros(2)), "not callable")
+    with pytest.raises(ValueError, match="leaf"):
+        splitgrad.register_grad_ready_hook(torch.zeros(2), lambda p: None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Linear.register_wgrad_accumulation_and_reduce_hooks (TE's name)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_reduce_hooks_one_argument():
+    """hook(param) for the weight and the bias, once each per pass, after backward_dw()."""
+    layer = linear(True)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda p: calls.append(p))
+    (x,), (gy,) = make_data(1, (4, D), D)
+    layer(x).backward(gy)
+    assert calls == []
+    layer.backward_dw()
+    assert sorted(map(id, calls)) == sorted([id(layer.weight), id(layer.bias)])
+
+
+def test_reduce_hooks_zero_argument_te_style():
+    """TE's hooks take no argument: hook() is called (once per parameter of the layer)."""
+    layer = linear(True)
+    calls = []
+
+    def te_hook():
+        calls.append("reduce")
+
+    layer.register_wgrad_accumulation_and_reduce_hooks(te_hook)
+    (x,), (gy,) = make_data(1, (4, D), D)
+    for _ in range(2):
+        layer(x).backward(gy)
+        layer.backward_dw()
+    assert calls == ["reduce"] * 4
+
+
+def test_reduce_hooks_follow_retying():
+    """Hooks registered before tying follow the parameter the layer holds afterwards, and fire
+    after the last tied layer's deferred work."""
+    model = nn.Sequential(linear(True, name="a"), nn.Tanh(), linear(True, name="b"))
+    reference_before = model[2].weight
+    rec = Recorder()
+    model[2].register_wgrad_accumulation_and_reduce_hooks(rec.hook("b-hook"))
+    model[2].weight = model[0].weight  # tie after registration
+    reference = to_reference(model)
+    (x,), (gy,) = make_data(1, (4, D), D)
+    model(x).backward(gy)
+    reference(x).backward(gy)
+    rec.mark("W", "b")
+    model[2].backward_dw()
+    rec.mark("W", "a")
+    model[0].backward_dw()
+    # the bias fires after b's W; the (now shared) weight only after a's W
+    assert rec.labels() == [("W", "b"), ("hook", "b-hook"), ("W", "a"), ("hook", "b-hook")]
+    assert reference_before.grad is None
+    torch.testing.assert_close(rec.hook_grads("b-hook")[0], reference[2].bias.grad, rtol=0, atol=0)
+    torch.testing.assert_close(rec.hook_grads("b-hook")[1], reference[0].weight.grad, rtol=0, atol=0)
+    assert_grads_match(model, reference, exact=True)

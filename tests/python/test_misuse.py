@@ -1,0 +1,307 @@
+"""SPEC §3: misuse gets a clear error, and no gradient is lost. One test per row."""
+
+import gc
+import re
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import splitgrad
+from sg_helpers import assert_grads_match, backward_dw_each, make_data, to_reference
+
+D = 8
+
+
+def linear(delay=True, **kw):
+    return splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=delay, **kw)
+
+
+# ------------------------------------------------------------------------------------------------
+# backward_dw() with nothing pending / on a regular layer
+# ------------------------------------------------------------------------------------------------
+
+
+def test_backward_dw_with_nothing_pending_names_the_layer():
+    layer = linear(True, name="encoder.fc1")
+    with pytest.raises(RuntimeError, match=r"'encoder\.fc1'.*no backward pass has queued"):
+        layer.backward_dw()
+    # after the queued work has run, there is nothing pending again
+    (x,), (gy,) = make_data(1, (3, D), D)
+    layer(x).backward(gy)
+    layer.backward_dw()
+    with pytest.raises(RuntimeError, match=r"'encoder\.fc1'"):
+        layer.backward_dw()
+    # a forward without backward queues nothing
+    layer(x)
+    with pytest.raises(RuntimeError, match=r"'encoder\.fc1'"):
+        layer.backward_dw()
+
+
+def test_backward_dw_on_regular_layer_is_a_no_op():
+    model = nn.Sequential(linear(False))
+    reference = to_reference(model)
+    (x,), (gy,) = make_data(1, (3, D), D)
+    model(x).backward(gy)
+    reference(x).backward(gy)
+    before = [p.grad.clone() for p in model.parameters()]
+    model[0].backward_dw()
+    model[0].backward_dw()
+    assert splitgrad.pending_wgrads() == 0
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.grad, b)
+    assert_grads_match(model, reference, exact=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# stashed tensors modified in place
+# ------------------------------------------------------------------------------------------------
+
+
+class ParallelReuse(nn.Module):
+    """One layer applied to two inputs in one forward: one pass, two deferred items."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = linear(True, name="reused")
+
+    def forward(self, x1, x2):
+        return self.fc(x1) + self.fc(x2)
+
+
+def test_inplace_modified_input():
+    """The input of one of a pass's two items is modified in place: backward_dw() raises naming the
+    layer and the input, writes no gradient, and puts the other item back; it then runs alone and
+    gives exactly that application's gradient. Grad-ready hooks do not fire for the incomplete
+    pass. The store stays usable."""
+    model = ParallelReuse()
+    single = to_reference(model.fc)  # the reference for the second application alone
+    hook_calls = []
+    splitgrad.register_grad_ready_hook(model.fc.weight, hook_calls.append)
+    (x1, x2), _ = make_data(2, (3, D), D)
+    gy = torch.randn(3, D)
+    model(x1, x2).backward(gy)
+    assert model.fc.pending_wgrads() == 2
+    x1.mul_(2)  # the stashed input of the first application
+    with pytest.raises(RuntimeError, match=r"'reused'.*input.*modified in place"):
+        model.fc.backward_dw()
+    assert model.fc.weight.grad is None and model.fc.bias.grad is None
+    assert model.fc.pending_wgrads() == 1
+    model.fc.backward_dw()
+    single(x2).backward(gy)
+    torch.testing.assert_close(model.fc.weight.grad, single.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(model.fc.bias.grad, single.bias.grad, rtol=0, atol=0)
+    assert hook_calls == []  # that pass's gradient is incomplete: its reducers must not run
+    # still usable: a new pass runs normally (and its hook fires)
+    model.fc.weight.grad = None
+    model.fc.bias.grad = None
+    reference = to_reference(model)
+    model(x1, x2).backward(gy)
+    reference(x1, x2).backward(gy)
+    model.fc.backward_dw()
+    assert_grads_match(model, reference, exact=True)
+    assert hook_calls == [model.fc.weight]
+
+
+def test_inplace_modified_grad_output():
+    """The grad_output stashed for a pass is modified in place: RuntimeError naming the layer and
+    grad_output, no gradient written; the other micro-batch's item (taken in the same
+    backward_dw_all call) goes back on the queue and runs next time."""
+    model = nn.Sequential(linear(True, name="head"))
+    reference = to_reference(model)
+    xs, gys = make_data(2, (3, D), D)
+    model(xs[0]).backward(gys[0])
+    model(xs[1]).backward(gys[1])
+    gys[0].add_(1.0)
+    with pytest.raises(RuntimeError, match=r"'head'.*grad_output.*modified in place"):
+        splitgrad.backward_dw_all()
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    assert splitgrad.pending_wgrads() == 1
+    splitgrad.backward_dw_all()
+    reference(xs[1]).backward(gys[1])  # only micro-batch 1's contribution landed
+    assert_grads_match(model, reference, exact=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizer.zero_grad() / optimizer.step() / Module.zero_grad() / state_dict() with work pending
+# ------------------------------------------------------------------------------------------------
+
+ACTIONS = {
+    "optimizer.step": lambda model, opt: opt.step(),
+    "optimizer.zero_grad": lambda model, opt: opt.zero_grad(),
+    "module.zero_grad": lambda model, opt: model.zero_grad(),
+    "state_dict": lambda model, opt: model.state_dict(),
+}
+
+
+def _pending_model():
+    """Three layers (two delayed) after a backward pass, their deferred work pending. Returns the
+    model, its reference (same pre-existing gradients) and a reference without them."""
+    model = nn.Sequential(linear(True, name="blocks.0.fc"), nn.Tanh(), linear(False, name="blocks.1.fc"),
+                          nn.Tanh(), linear(True, name="blocks.2.fc"))
+    fresh = to_reference(model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)  # earlier micro-batches' gradients
+    reference = to_reference(model)
+    (x,), (gy,) = make_data(1, (3, D), D)
+    for m in (model, reference, fresh):
+        m(x).backward(gy)
+    return model, reference, fresh
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_pending_work_warns(action):
+    """Policy "warn": a PendingWgradWarning naming exactly the layers with pending work; the work
+    stays queued and still lands afterwards."""
+    model, reference, fresh = _pending_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.warns(splitgrad.PendingWgradWarning) as record:
+        ACTIONS[action](model, opt)
+    messages = " ".join(str(w.message) for w in record)
+    assert "'blocks.0.fc'" in messages and "'blocks.2.fc'" in messages
+    assert "'blocks.1.fc'" not in messages
+    assert splitgrad.pending_wgrads() == 2
+    backward_dw_each(model)
+    if action in ("optimizer.zero_grad", "module.zero_grad"):
+        # the caller cleared the gradients: what lands afterwards is the deferred work alone
+        fresh[2].weight.grad = fresh[2].bias.grad = None
+        assert_grads_match(model, fresh, exact=True)
+    else:
+        assert_grads_match(model, reference, exact=True)
+
+
+@pytest.mark.parametrize("action", list(ACTIONS))
+def test_pending_work_errors(action):
+    """Policy "error": a PendingWgradError naming the layers; nothing was changed."""
+    model, reference, _ = _pending_model()
+    splitgrad.set_pending_work_policy("error")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(splitgrad.PendingWgradError, match=r"'blocks\.(0|2)\.fc'"):
+        ACTIONS[action](model, opt)
+    for p, w in zip(model.parameters(), weights):
+        assert torch.equal(p, w)
+    assert splitgrad.pending_wgrads() == 2
+    splitgrad.set_pending_work_policy("warn")
+    backward_dw_each(model)
+    assert_grads_match(model, reference, exact=True)  # no gradient was touched
+
+
+def test_no_warning_without_pending_work_or_for_unrelated_params():
+    splitgrad.set_pending_work_policy("error")
+    model, _, _ = _pending_model()
+    other = nn.Linear(D, D)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.zero_grad()  # its parameters have no pending work
+        opt.step()
+        other.zero_grad()
+        other.state_dict()
+        model[2].state_dict()  # the regular layer has nothing pending
+        backward_dw_each(model)
+        model.zero_grad()
+        model.state_dict()
+
+
+def test_pending_work_policy_rejects_unknown_values():
+    with pytest.raises(ValueError, match="warn"):
+        splitgrad.set_pending_work_policy("ignore")
+    assert splitgrad.get_pending_work_policy() == "warn"
+
+
+# ------------------------------------------------------------------------------------------------
+# fuse_wgrad_accumulation=True without a valid main_grad
+# ------------------------------------------------------------------------------------------------
+
+BAD_MAIN_GRADS = {
+    "missing": (lambda p: None, r"needs {what}\.main_grad.*not set"),
+    "wrong-shape": (lambda p: torch.zeros(p.shape[0] + 1, *p.shape[1:]),
+                    r"expected {what}\.main_grad of shape \[{shape}\].*got \[{bad}\]"),
+    "wrong-dtype": (lambda p: torch.zeros(p.shape, dtype=torch.bfloat16),
+                    r"expected {what}\.main_grad of dtype torch\.float32, got torch\.bfloat16"),
+}
+
+
+@pytest.mark.parametrize("what", ["weight", "bias"])
+@pytest.mark.parametrize("bad", list(BAD_MAIN_GRADS))
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_fused_without_valid_main_grad(bad, what, delay):
+    layer = linear(delay, fuse_wgrad_accumulation=True, name="fused")
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    param = getattr(layer, what)
+    make, pattern = BAD_MAIN_GRADS[bad]
+    if make(param) is None:
+        del param.main_grad
+    else:
+        param.main_grad = make(param)
+    shape = ", ".join(map(str, param.shape))
+    bad_shape = ", ".join(map(str, [param.shape[0] + 1, *param.shape[1:]]))
+    pattern = pattern.format(what=what, shape=shape, bad=bad_shape)
+    x = torch.randn(3, D)
+    for kind in (splitgrad.MainGradError, ValueError, RuntimeError):
+        with pytest.raises(kind, match=r"'fused'.*" + pattern):
+            layer(x)
+    assert splitgrad.pending_wgrads() == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# wrong input shape / dtype
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_wrong_input_width(delay):
+    layer = splitgrad.Linear(D, 4, device="cpu", delay_wgrad_compute=delay, name="proj")
+    for kind in (splitgrad.ArgumentError, ValueError, RuntimeError):
+        with pytest.raises(kind, match=re.escape(f"'proj': expected input of shape [*, {D}]")
+                           + r".*got shape \[2, 3, 5\]"):
+            layer(torch.randn(2, 3, 5))
+    with pytest.raises(splitgrad.ArgumentError, match=r"got shape \[\]"):
+        layer(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_wrong_input_dtype(delay):
+    layer = splitgrad.Linear(D, 4, device="cpu", delay_wgrad_compute=delay, name="proj",
+                             params_dtype=torch.bfloat16)
+    for kind in (splitgrad.DTypeError, TypeError, RuntimeError):
+        with pytest.raises(kind, match=r"'proj': expected input of dtype torch\.bfloat16.*got torch\.float32"):
+            layer(torch.randn(3, D))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        layer([1.0] * D)
+
+
+# ------------------------------------------------------------------------------------------------
+# a layer deleted with work pending
+# ------------------------------------------------------------------------------------------------
+
+
+def test_layer_deleted_with_pending_work():
+    """A warning that names the deleted layer; its stashed tensors are freed; its items leave the
+    queue; a layer it was tied to keeps its own work, which still runs exactly."""
+    model = nn.Sequential(linear(True, name="keep"), linear(True, name="doomed"))
+    model[1].weight = model[0].weight
+    x = torch.randn(3, D)
+    gy = torch.randn(3, D)
+    h = model[0](x)
+    stashed = weakref.ref(h)  # the doomed layer's stashed input
+    model[1](h).backward(gy)
+    assert splitgrad.pending_wgrads() == 2
+    keep_layer = model[0]
+    reference = to_reference(nn.Sequential(keep_layer))
+    grad_h = torch.mm(gy, model[1].weight.detach())  # what reached layer 0 (its grad_output)
+    reference(x).backward(grad_h)
+    del h
+    assert stashed() is not None
+    with pytest.warns(splitgrad.PendingWgradWarning, match=r"'doomed'.*deleted with 1 deferred"):
+        del model[1]
+        gc.collect()
+    assert stashed() is None
+    assert splitgrad.pending_wgrads() == 1
+    assert splitgrad.layers_with_pending_wgrads() == ["keep"]
+    keep_layer.backward_dw()
+    assert_grads_match(nn.Sequential(keep_layer), reference, exact=True)
