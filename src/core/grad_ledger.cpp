@@ -38,10 +38,18 @@ GradLedger::PassState& GradLedger::pass_state(const at::Tensor& param, PassId pa
 
 uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
   TORCH_CHECK(hook, "register_grad_ready_hook: the hook is empty");
+  // Hooks are destroyed after the lock is released: destroying one may run arbitrary code (a
+  // Python closure's finalizers) that calls back into the ledger.
+  std::vector<ParamState> dead;
   std::lock_guard<std::mutex> lock(mutex_);
   // Forget parameters that died: their hooks (and whatever the hooks hold) can never run again.
   for (auto it = params_.begin(); it != params_.end();) {
-    it = it->second.impl.expired() ? params_.erase(it) : std::next(it);
+    if (it->second.impl.expired()) {
+      dead.push_back(std::move(it->second));
+      it = params_.erase(it);
+    } else {
+      ++it;
+    }
   }
   uint64_t key = next_hook_key_++;
   state_for(param).hooks.emplace_back(key, std::move(hook));
@@ -49,6 +57,7 @@ uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
 }
 
 bool GradLedger::remove_hook(const at::Tensor& param, uint64_t key) {
+  GradReadyHook removed;  // destroyed after the lock is released (see add_hook)
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = params_.find(param.unsafeGetTensorImpl());
   if (it == params_.end()) return false;
@@ -56,6 +65,7 @@ bool GradLedger::remove_hook(const at::Tensor& param, uint64_t key) {
   auto pos =
       std::find_if(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == key; });
   if (pos == hooks.end()) return false;
+  removed = std::move(pos->second);
   hooks.erase(pos);
   return true;
 }

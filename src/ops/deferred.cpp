@@ -58,11 +58,17 @@ std::function<void(const at::Tensor&)> main_grad_callback;
 
 // Where a parameter's gradient is added: its main_grad when fused, else its .grad, which is
 // materialised as zeros first if absent (0 + dW is dW exactly, as AccumulateGrad would store it).
+// A sparse .grad (left by a sparse nn.Embedding tied to the layer) becomes dense first, as
+// AccumulateGrad makes it when a dense gradient is added to it.
 at::Tensor gradient_sink(const at::Tensor& param, const at::Tensor& main_grad) {
   if (!param.defined()) return {};
   if (main_grad.defined()) return main_grad;
   at::Tensor& grad = param.mutable_grad();
-  if (!grad.defined()) grad = at::zeros_like(param, at::MemoryFormat::Preserve);
+  if (!grad.defined()) {
+    grad = at::zeros_like(param, at::MemoryFormat::Preserve);
+  } else if (grad.layout() != at::kStrided) {
+    grad = grad.to_dense();
+  }
   return grad;
 }
 

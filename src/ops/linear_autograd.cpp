@@ -91,8 +91,34 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       accumulate_wgrad(grad_output, input, sinks);
       return grads;
     }
+    const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
+    if (!core::WgradStore::instance().is_registered(layer)) {
+      // The layer was deleted between its forward and this backward. As for work pending when a
+      // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
+      // skip this pass), but the rest of the backward pass goes on.
+      TORCH_WARN(layer_label(layer),
+                 " was deleted before its backward pass: its deferred weight "
+                 "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
+      for (const auto& target : {sinks.weight, sinks.bias}) {
+        if (!target.defined()) continue;
+        ledger.expect_deferred(target, pass.id());
+        ledger.deferred_dropped(target, pass.id());
+      }
+      return grads;
+    }
+    // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
+    // functional tensors, Python-dispatched subclasses) would hold placeholders, not data.
+    auto traced = [](const at::Tensor& t) {
+      return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
+             t.key_set().has(c10::DispatchKey::Python);
+    };
+    TORCH_CHECK(
+        !traced(input) && !traced(grad_output), layer_label(layer),
+        ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
+        "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. "
+        "splitgrad.Linear runs delayed layers outside compiled graphs; call the op eagerly.");
     core::DeferredWgrad item;
-    item.layer = ctx->saved_data["layer_id"].toInt();
+    item.layer = layer;
     item.pass = pass.id();
     item.input = input;
     item.grad_output = grad_output;

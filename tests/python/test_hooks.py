@@ -270,3 +270,30 @@ def test_reduce_hooks_follow_retying():
     torch.testing.assert_close(rec.hook_grads("b-hook")[0], reference[2].bias.grad, rtol=0, atol=0)
     torch.testing.assert_close(rec.hook_grads("b-hook")[1], reference[0].weight.grad, rtol=0, atol=0)
     assert_grads_match(model, reference, exact=True)
+
+
+def test_hook_that_raises_loses_no_gradient():
+    """A reducer hook that raises: the exception reaches the caller of backward_dw_all(), with its
+    type; the gradient it was told about has landed, the other hooks of that parameter set ran,
+    and the work not yet run stays queued and runs next time."""
+    model = nn.Sequential(linear(True, name="first"), nn.Tanh(), linear(True, name="last"))
+    reference = to_reference(model)
+    calls = []
+
+    def failing(param):
+        calls.append("failing")
+        raise ValueError("all-reduce failed")
+
+    splitgrad.register_grad_ready_hook(model[2].weight, failing)
+    splitgrad.register_grad_ready_hook(model[2].bias, lambda p: calls.append("bias"))
+    (x,), (gy,) = make_data(1, (4, D), D)
+    model(x).backward(gy)
+    reference(x).backward(gy)
+    # the last layer's backward ran first, so its item is the oldest: it runs first
+    with pytest.raises(ValueError, match="all-reduce failed"):
+        splitgrad.backward_dw_all()
+    assert calls == ["failing", "bias"]
+    assert model[2].weight.grad is not None and model[2].bias.grad is not None
+    assert splitgrad.layers_with_pending_wgrads() == ["first"]
+    splitgrad.backward_dw_all()
+    assert_grads_match(model, reference, exact=True)

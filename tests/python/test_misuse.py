@@ -305,3 +305,31 @@ def test_layer_deleted_with_pending_work():
     assert splitgrad.layers_with_pending_wgrads() == ["keep"]
     keep_layer.backward_dw()
     assert_grads_match(nn.Sequential(keep_layer), reference, exact=True)
+
+
+def test_layer_deleted_between_forward_and_backward():
+    """A delayed layer that is garbage before its backward pass: the backward still completes
+    (every other gradient lands, exactly), the layer's own contribution is discarded with a
+    warning, nothing is queued, and its weight's grad-ready hook skips that incomplete pass."""
+    model = nn.Sequential(linear(True, name="kept"), nn.Tanh())
+    reference = to_reference(model)
+    doomed = linear(True, name="doomed")
+    doomed_ref = to_reference(doomed)
+    fired = []
+    splitgrad.register_grad_ready_hook(doomed.weight, fired.append)
+    weight = doomed.weight
+    x = torch.randn(3, D, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    gy = torch.randn(3, D)
+    y = doomed(model(x))
+    y_ref = doomed_ref(reference(x_ref))
+    del doomed
+    gc.collect()
+    with pytest.warns(UserWarning, match="deleted before its backward pass"):
+        y.backward(gy)
+    y_ref.backward(gy)
+    assert splitgrad.pending_wgrads() == 1  # the kept layer's work only
+    model[0].backward_dw()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
+    assert_grads_match(model, reference, exact=True)
+    assert weight.grad is None and fired == []

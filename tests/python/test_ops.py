@@ -143,3 +143,18 @@ def test_compile_graph_breaks_around_delayed_layer():
     assert splitgrad.pending_wgrads() == 4
     splitgrad.backward_dw_all()
     assert_grads_match(model, reference, exact=True)
+
+
+def test_delayed_op_refuses_to_queue_inside_a_traced_backward():
+    """Called raw under AOTAutograd, the delayed op would queue tracing placeholders: it refuses,
+    naming the layer, and queues nothing."""
+    layer = splitgrad.Linear(8, 8, bias=False, device="cpu", delay_wgrad_compute=True)
+
+    def loss(x, w):
+        return torch.ops.splitgrad.linear(x, w, None, None, None, layer._layer_id, True).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(Exception, match="cannot queue deferred work inside a traced graph"):
+        compiled(x, layer.weight).backward()
+    assert splitgrad.pending_wgrads() == 0
