@@ -5,6 +5,7 @@
 #   bash scripts/gpu_run.sh build
 #   bash scripts/gpu_run.sh pytest [pytest args...]
 #   bash scripts/gpu_run.sh python FILE [args...]
+#   bash scripts/gpu_run.sh run PROGRAM [args...]     (a C++ program of build/gpu, e.g. bench_host_overhead)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site="${SPLITGRAD_SITE:-/tmp/splitgrad-site}"
@@ -16,7 +17,7 @@ case "${1:-build}" in
     if compgen -G ".whl/*.whl" > /dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
     fi
-    cmake -S . -B build/gpu -G Ninja -DSPLITGRAD_BUILD_PYTHON=ON -DCMAKE_BUILD_TYPE=Release \
+    cmake -S . -B build/gpu -G Ninja -DSPLITGRAD_BUILD_PYTHON=ON -DSPLITGRAD_BUILD_BENCHMARKS=ON -DCMAKE_BUILD_TYPE=Release \
       -DPython3_EXECUTABLE="$(command -v python3)" > build-gpu.log 2>&1 || { cat build-gpu.log; exit 1; }
     cmake --build build/gpu -j "$(nproc)" >> build-gpu.log 2>&1 || { tail -50 build-gpu.log; exit 1; }
     cmake --install build/gpu --prefix "$site" >> build-gpu.log 2>&1
@@ -26,5 +27,6 @@ case "${1:-build}" in
     ;;
   pytest) shift; python3 -m pytest "$@" ;;
   python) shift; python3 "$@" ;;
-  *) echo "usage: $0 build | pytest [args] | python FILE [args]"; exit 2 ;;
+  run) shift; "build/gpu/$1" "${@:2}" ;;
+  *) echo "usage: $0 build | pytest [args] | python FILE [args] | run PROGRAM [args]"; exit 2 ;;
 esac

@@ -45,6 +45,10 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
                             const OptTensor& bias_main_grad, int64_t layer_id, bool delay) {
     check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad);
     ctx->save_for_backward({input, weight});
+    // The parameters themselves, for the gradient sinks: saved tensors may come back as other
+    // tensors (activation checkpointing's saved-tensor hooks return recomputed copies), and a
+    // gradient added to a copy's .grad would be lost.
+    ctx->saved_data["weight"] = weight;
     ctx->saved_data["bias"] = value_or_undefined(bias);
     ctx->saved_data["weight_main_grad"] = value_or_undefined(weight_main_grad);
     ctx->saved_data["bias_main_grad"] = value_or_undefined(bias_main_grad);
@@ -57,7 +61,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
-    const at::Tensor& weight = saved[1];
+    const at::Tensor& weight = saved[1];  // the values (maybe a recomputed copy)
+    const at::Tensor weight_param = ctx->saved_data["weight"].toTensor();
     const at::Tensor bias = ctx->saved_data["bias"].toTensor();
     const at::Tensor& grad_output = grad_outputs[0];
     variable_list grads(7);  // one per forward argument
@@ -67,11 +72,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     // Deferred work is queued whenever the parameters train, even in a pass that asked autograd
     // only for input gradients (a pipeline's B step): its W step is backward_dw().
     const bool delay = ctx->saved_data["delay"].toBool();
-    const bool weight_trains = weight.requires_grad() && (delay || ctx->needs_input_grad(1));
+    const bool weight_trains = weight_param.requires_grad() && (delay || ctx->needs_input_grad(1));
     const bool bias_trains =
         bias.defined() && bias.requires_grad() && (delay || ctx->needs_input_grad(2));
     if (!weight_trains && !bias_trains) return grads;
-    WgradSinks sinks{weight_trains ? weight : at::Tensor(), bias_trains ? bias : at::Tensor(),
+    WgradSinks sinks{weight_trains ? weight_param : at::Tensor(), bias_trains ? bias : at::Tensor(),
                      ctx->saved_data["weight_main_grad"].toTensor(),
                      ctx->saved_data["bias_main_grad"].toTensor()};
     const bool fused = sinks.weight_main_grad.defined() || sinks.bias_main_grad.defined();
