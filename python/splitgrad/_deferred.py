@@ -10,7 +10,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
-from ._errors import PendingWgradError, PendingWgradWarning
+from ._errors import ArgumentError, PendingWgradError, PendingWgradWarning
 
 __all__ = [
     "backward_dw_all",
@@ -47,6 +47,11 @@ def register_grad_ready_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], N
         raise TypeError(f"register_grad_ready_hook: expected a torch.Tensor parameter, got {type(param).__name__}")
     if not callable(fn):
         raise TypeError(f"register_grad_ready_hook: expected a callable hook, got {type(fn).__name__}")
+    if not (param.is_leaf and param.requires_grad):
+        raise ArgumentError(
+            "register_grad_ready_hook: expected a leaf tensor that requires grad (a parameter), got one "
+            f"with is_leaf={param.is_leaf}, requires_grad={param.requires_grad}"
+        )
     return _C.register_grad_ready_hook(param, fn)
 
 

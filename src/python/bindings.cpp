@@ -12,17 +12,40 @@ namespace {
 // HANDLE_TH_ERRORS / END_HANDLE_TH_ERRORS_PYBIND (torch/csrc/Exceptions.h) map c10 errors to
 // Python's ValueError / TypeError / RuntimeError and turn C++ warnings into Python warnings.
 
+// Holds the GIL for a scope with the plain CPython API, which nests safely whoever holds it:
+// pybind11's gil_scoped_* keep their own thread-state bookkeeping per pybind11 build, and mixing
+// ours with libtorch_python's crashed on Python 3.12.
+class GilHeld {
+ public:
+  GilHeld() : state_(PyGILState_Ensure()) {}
+  ~GilHeld() { PyGILState_Release(state_); }
+  GilHeld(const GilHeld&) = delete;
+  GilHeld& operator=(const GilHeld&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
 // Runs a Python callable from C++ (hooks fire from backward_dw() or autograd's threads).
 template <typename... Args>
 std::function<void(Args...)> python_callback(py::function fn) {
   auto shared = std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
     if (!Py_IsInitialized()) return;  // at exit, after the interpreter: leak rather than crash
-    py::gil_scoped_acquire gil;
+    GilHeld gil;
     delete f;
   });
   return [shared](Args... args) {
-    py::gil_scoped_acquire gil;
-    (*shared)(args...);
+    GilHeld gil;
+    try {
+      (*shared)(args...);
+    } catch (py::error_already_set& error) {
+      // As torch's own hooks do: a python_error (torch/csrc/Exceptions.h) carries the Python
+      // exception, type included, through autograd's threads and back to the caller.
+      error.restore();
+      python_error persisted;
+      persisted.persist();
+      throw persisted;
+    }
   };
 }
 
@@ -40,7 +63,6 @@ PYBIND11_MODULE(_C, m) {
       .def("backward_dw",
            [](splitgrad::LayerHandle& self) {
              HANDLE_TH_ERRORS
-             py::gil_scoped_release no_gil;
              self.backward_dw();
              END_HANDLE_TH_ERRORS_PYBIND
            })
@@ -63,7 +85,6 @@ PYBIND11_MODULE(_C, m) {
       "backward_dw_all",
       [] {
         HANDLE_TH_ERRORS
-        py::gil_scoped_release no_gil;
         splitgrad::backward_dw_all();
         END_HANDLE_TH_ERRORS_PYBIND
       },
