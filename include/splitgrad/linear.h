@@ -30,8 +30,8 @@ struct LinearOptions {
   TORCH_ARG(bool, bias) = true;
   /// Queue the weight/bias gradient in backward; compute it in backward_dw().
   TORCH_ARG(bool, delay_wgrad_compute) = false;
-  /// Accumulate the weight/bias gradient into the fp32 buffers set with set_main_grad() instead of
-  /// `.grad` (Megatron's main_grad).
+  /// Accumulate the weight gradient into the fp32 buffer set with set_main_grad() instead of
+  /// `.grad` (Megatron's main_grad); the bias's too if it has one, else into the bias's `.grad`.
   TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
   /// Parameter dtype (default: torch's default dtype).
   TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;

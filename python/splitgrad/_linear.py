@@ -40,9 +40,10 @@ class Linear(nn.Module):
         params_dtype: parameter dtype (default: torch's default dtype).
         device: parameter device (default: CUDA when available, else the CPU).
         delay_wgrad_compute: queue the weight/bias gradient in backward; compute it in backward_dw().
-        fuse_wgrad_accumulation: add the weight/bias gradient in fp32 into ``param.main_grad``
-            (set by the caller, as Megatron does) instead of ``param.grad``; sets
-            ``param.grad_added_to_main_grad = True`` where that attribute exists.
+        fuse_wgrad_accumulation: add the weight gradient in fp32 into ``weight.main_grad`` (set by
+            the caller, as Megatron does) instead of ``weight.grad``, and the bias gradient into
+            ``bias.main_grad`` if the bias has one, else into ``bias.grad`` (as te.Linear does);
+            sets ``param.grad_added_to_main_grad = True`` where that attribute exists.
         init_method: called on the weight to initialise it (default: nn.Linear's initialisation).
         name: used in messages about this layer (default ``"Linear(in, out)#id"``; see name_layers).
 
@@ -128,7 +129,7 @@ class Linear(nn.Module):
         if self.fuse_wgrad_accumulation:
             weight_main_grad = self._main_grad_of(self.weight, "weight")
             if self.bias is not None:
-                bias_main_grad = self._main_grad_of(self.bias, "bias")
+                bias_main_grad = self._main_grad_of(self.bias, "bias", required=False)
         try:
             if self.delay_wgrad_compute and torch.compiler.is_compiling():
                 return _linear_delayed_outside_graph(
@@ -144,10 +145,14 @@ class Linear(nn.Module):
         except TypeError as error:
             raise DTypeError(str(error)) from None
 
-    def _main_grad_of(self, param: torch.Tensor, what: str) -> torch.Tensor | None:
+    def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
+        """``param.main_grad``, checked. The weight's is required; a bias without one gets its
+        gradient in ``bias.grad``, as te.Linear does."""
         if not param.requires_grad:
             return None
         main_grad = getattr(param, "main_grad", None)
+        if main_grad is None and not required:
+            return None
         if main_grad is None:
             raise MainGradError(
                 f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "

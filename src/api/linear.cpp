@@ -54,17 +54,20 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   std::optional<at::Tensor> weight_main_grad, bias_main_grad;
   if (options.fuse_wgrad_accumulation()) {
-    auto fetch = [&](const torch::Tensor& param, const char* what) -> std::optional<at::Tensor> {
+    // The weight's main_grad is required; a bias without one gets its gradient in bias.grad.
+    auto fetch = [&](const torch::Tensor& param, const char* what,
+                     bool required) -> std::optional<at::Tensor> {
       if (!param.defined() || !param.requires_grad()) return std::nullopt;
       at::Tensor buffer = main_grad(param);
+      if (!buffer.defined() && !required) return std::nullopt;
       TORCH_CHECK_VALUE(buffer.defined(), "splitgrad layer '", layer_->name(),
                         "': fuse_wgrad_accumulation=true needs the ", what,
                         "'s main_grad (an fp32 tensor of shape ", param.sizes(),
                         "); set it with splitgrad::set_main_grad()");
       return buffer;
     };
-    weight_main_grad = fetch(weight, "weight");
-    bias_main_grad = fetch(bias, "bias");
+    weight_main_grad = fetch(weight, "weight", /*required=*/true);
+    bias_main_grad = fetch(bias, "bias", /*required=*/false);
   }
   return ops::linear(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                      weight_main_grad, bias_main_grad, layer_->id(), options.delay_wgrad_compute());

@@ -225,8 +225,13 @@ BAD_MAIN_GRADS = {
 }
 
 
-@pytest.mark.parametrize("what", ["weight", "bias"])
-@pytest.mark.parametrize("bad", list(BAD_MAIN_GRADS))
+# A bias without main_grad is valid (its gradient goes to bias.grad, as in te.Linear): see
+# test_fused_bias_without_main_grad_uses_grad.
+INVALID_MAIN_GRADS = [(bad, what) for what in ("weight", "bias") for bad in BAD_MAIN_GRADS
+                      if (bad, what) != ("missing", "bias")]
+
+
+@pytest.mark.parametrize("bad,what", INVALID_MAIN_GRADS)
 @pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
 def test_fused_without_valid_main_grad(bad, what, delay):
     layer = linear(delay, fuse_wgrad_accumulation=True, name="fused")
@@ -246,6 +251,23 @@ def test_fused_without_valid_main_grad(bad, what, delay):
         with pytest.raises(kind, match=r"'fused'.*" + pattern):
             layer(x)
     assert splitgrad.pending_wgrads() == 0
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_fused_bias_without_main_grad_uses_grad(delay):
+    """As te.Linear: with fuse_wgrad_accumulation the weight's gradient goes to weight.main_grad; a
+    bias without a main_grad gets its gradient in bias.grad, equal to plain autograd's."""
+    layer = linear(delay, fuse_wgrad_accumulation=True, name="fused")
+    layer.weight.main_grad = torch.zeros(layer.weight.shape)
+    reference = nn.Linear(D, D)
+    reference.load_state_dict(layer.state_dict())
+    x, gy = torch.randn(3, D), torch.randn(3, D)
+    layer(x).backward(gy)
+    layer.backward_dw()
+    reference(x).backward(gy)
+    assert layer.weight.grad is None
+    torch.testing.assert_close(layer.weight.main_grad, reference.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------------
