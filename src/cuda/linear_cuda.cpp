@@ -223,12 +223,12 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
   const at::Tensor dy = detail::flatten_tokens(grad_output);
   const at::Tensor x = detail::flatten_tokens(input);
   if (dy.size(0) == 0 || dy.size(1) == 0) return;  // adds zero
-  if (!want_weight) {                              // frozen weight: only the bias trains
-    bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
-    return;
-  }
-  if (x.size(1) == 0) {
+  // The bias gradient by a reduction of its own, summed in the target's dtype.
+  auto add_reduced_bias_grad = [&] {
     if (want_bias) bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
+  };
+  if (!want_weight || x.size(1) == 0) {  // frozen weight, or no weight product to form
+    add_reduced_bias_grad();
     return;
   }
   // BGRADB writes rather than adds: db lands in scratch of the target's dtype, then one tiny add.
@@ -237,7 +237,7 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
   if (wgrad_gemm(dy, x, *weight_grad, Accumulate::kAdd, bias_scratch)) {
     if (want_bias) bias_grad->add_(bias_scratch);
   } else {
-    bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
+    add_reduced_bias_grad();
   }
 }
 
