@@ -146,6 +146,7 @@ void run(std::vector<DeferredWgrad> items) {
   }
   if (!error.empty()) {
     store.restore(std::move(runnable));
+    items.clear();  // free the dropped items' tensors now, not while the exception unwinds
     TORCH_CHECK(false, error);
   }
   for (size_t i = 0; i < runnable.size(); ++i) {
