@@ -17,9 +17,18 @@ case "${1:-build}" in
     if compgen -G ".whl/*.whl" > /dev/null; then
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl
     fi
-    cmake -S . -B build/gpu -G Ninja -DSPLITGRAD_BUILD_PYTHON=ON -DSPLITGRAD_BUILD_BENCHMARKS=ON -DCMAKE_BUILD_TYPE=Release \
+    # The system g++, as PyTorch's own extensions use: the machine's CXX may name a toolchain that
+    # links libstdc++ statically, and two libstdc++ copies in one process crash on the first
+    # formatted error message (locale facets registered in one copy, used from the other).
+    compiler=()
+    if [ -x /usr/bin/g++ ]; then compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++); fi
+    cmake -S . -B build/gpu -G Ninja "${compiler[@]}" -DSPLITGRAD_BUILD_PYTHON=ON -DSPLITGRAD_BUILD_BENCHMARKS=ON -DCMAKE_BUILD_TYPE=Release \
       -DPython3_EXECUTABLE="$(command -v python3)" > build-gpu.log 2>&1 || { cat build-gpu.log; exit 1; }
     cmake --build build/gpu -j "$(nproc)" >> build-gpu.log 2>&1 || { tail -50 build-gpu.log; exit 1; }
+    if ! readelf -d build/gpu/libsplitgrad.so | grep -q 'libstdc++'; then
+      echo "libsplitgrad.so does not link libstdc++ dynamically (a static libstdc++ crashes with PyTorch's)"
+      exit 1
+    fi
     cmake --install build/gpu --prefix "$site" >> build-gpu.log 2>&1
     cp python/splitgrad/*.py "$site/splitgrad/"
     grep -E "splitgrad:" build-gpu.log || true
