@@ -17,6 +17,20 @@ from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarni
 __all__ = ["Linear", "name_layers"]
 
 
+# te.Linear keywords whose default means "the feature is off", which splitgrad accepts at that value.
+_TE_DEFAULTS = {
+    "sequence_parallel": False,
+    "tp_group": None,
+    "tp_size": 1,
+    "parallel_mode": None,
+    "get_rng_state_tracker": None,
+    "rng_tracker_name": None,
+    "ub_overlap_rs": False,
+    "ub_overlap_ag": False,
+    "ub_name": None,
+}
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
@@ -45,6 +59,7 @@ class Linear(nn.Module):
             ``bias.main_grad`` if the bias has one, else into ``bias.grad`` (as te.Linear does);
             sets ``param.grad_added_to_main_grad = True`` where that attribute exists.
         init_method: called on the weight to initialise it (default: nn.Linear's initialisation).
+        return_bias: return ``(x·Wᵀ, b)`` and leave adding the bias to the caller (te.Linear's).
         name: used in messages about this layer (default ``"Linear(in, out)#id"``; see name_layers).
 
     Parameters live on the module: tie them by assignment (``model[1].weight = model[0].weight``);
@@ -62,13 +77,18 @@ class Linear(nn.Module):
         delay_wgrad_compute: bool = False,
         fuse_wgrad_accumulation: bool = False,
         init_method: Callable[[torch.Tensor], object] | None = None,
+        return_bias: bool = False,
         name: str | None = None,
-        **unsupported,
+        **te_keywords,
     ) -> None:
         super().__init__()
+        # te.Linear keywords for features splitgrad does not have are accepted at their defaults
+        # only (so TE code that spells them out runs); anything else is refused by name.
+        unsupported = sorted(k for k, v in te_keywords.items() if _TE_DEFAULTS.get(k, object()) != v)
         if unsupported:
             raise TypeError(
-                f"splitgrad.Linear got keyword argument(s) it does not support: {sorted(unsupported)}"
+                f"splitgrad.Linear got keyword argument(s) it does not support: {unsupported} "
+                f"(te.Linear keywords accepted only at their defaults: {sorted(_TE_DEFAULTS)})"
             )
         for arg, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -77,6 +97,7 @@ class Linear(nn.Module):
             raise DTypeError(f"splitgrad.Linear: expected a floating-point params_dtype, got {params_dtype!r}")
         self.in_features = in_features
         self.out_features = out_features
+        self.return_bias = bool(return_bias)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         factory = {
@@ -125,20 +146,24 @@ class Linear(nn.Module):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"{self.name}: expected a torch.Tensor input, got {type(inp).__name__}")
+        # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
+        bias = None if self.return_bias else self.bias
         weight_main_grad = bias_main_grad = None
         if self.fuse_wgrad_accumulation:
             weight_main_grad = self._main_grad_of(self.weight, "weight")
-            if self.bias is not None:
-                bias_main_grad = self._main_grad_of(self.bias, "bias", required=False)
+            if bias is not None:
+                bias_main_grad = self._main_grad_of(bias, "bias", required=False)
         try:
             if self.delay_wgrad_compute and torch.compiler.is_compiling():
-                return _linear_delayed_outside_graph(
-                    inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id
+                out = _linear_delayed_outside_graph(
+                    inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id
                 )
-            return _linear_op(
-                inp, self.weight, self.bias, weight_main_grad, bias_main_grad, self._layer_id,
-                self.delay_wgrad_compute,
-            )
+            else:
+                out = _linear_op(
+                    inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,
+                    self.delay_wgrad_compute,
+                )
+            return (out, self.bias) if self.return_bias else out
         except ValueError as error:
             kind = MainGradError if "main_grad" in str(error) else ArgumentError
             raise kind(str(error)) from None

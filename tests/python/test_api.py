@@ -52,6 +52,31 @@ def test_constructor_keywords():
 def test_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="sequence_parallel"):
         splitgrad.Linear(8, 4, sequence_parallel=True)
+    with pytest.raises(TypeError, match="not_a_keyword"):
+        splitgrad.Linear(8, 4, not_a_keyword=1)
+
+
+def test_te_keywords_at_their_defaults_are_accepted():
+    """TE code that spells out its off-by-default features runs unchanged."""
+    layer = splitgrad.Linear(8, 4, device="cpu", sequence_parallel=False, tp_group=None, tp_size=1,
+                             parallel_mode=None, ub_overlap_ag=False)
+    assert layer(torch.randn(2, 8)).shape == (2, 4)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_return_bias_leaves_the_bias_to_the_caller(delay):
+    """te.Linear's return_bias=True: forward returns (x·Wᵀ, b); the caller's add owns b's gradient."""
+    layer = splitgrad.Linear(8, 4, device="cpu", return_bias=True, delay_wgrad_compute=delay)
+    reference = nn.Linear(8, 4)
+    reference.load_state_dict(layer.state_dict())
+    x, gy = torch.randn(3, 8), torch.randn(3, 4)
+    out, bias = layer(x)
+    assert bias is layer.bias
+    (out + bias).backward(gy)
+    layer.backward_dw()
+    reference(x).backward(gy)
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(layer.bias.grad, reference.bias.grad)
 
 
 @pytest.mark.parametrize("args", [(0, 4), (8, -1), (8.0, 4), (True, 4)])
