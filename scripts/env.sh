@@ -13,6 +13,8 @@ pip install -q -r "$_root/requirements-dev.txt"
 # GoogleTest for the C++ suite (a Debian package).
 if [ ! -f /usr/include/gtest/gtest.h ]; then
   echo "splitgrad: installing GoogleTest (libgtest-dev)"
-  if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libgtest-dev; else sudo apt-get update -qq && sudo apt-get install -y -qq libgtest-dev; fi
+  if [ "$(id -u)" = 0 ]; then sudo_=""; else sudo_="sudo"; fi
+  $sudo_ apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo_ apt-get install -y -qq libgtest-dev
+  unset sudo_
 fi
 unset _root
