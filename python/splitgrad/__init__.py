@@ -17,6 +17,7 @@ from ._deferred import (
 )
 from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
 from ._linear import Linear, name_layers
+from . import distributed  # splitgrad.distributed.GradReducer
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "set_pending_work_policy",
     "get_pending_work_policy",
     "name_layers",
+    "distributed",
     "ArgumentError",
     "DTypeError",
     "MainGradError",

@@ -1,0 +1,461 @@
+"""splitgrad.distributed.GradReducer (mode="all_reduce"), over gloo on the CPU with 2 and 4 ranks.
+
+Each rank trains on its own data (seeded by rank); the reduced gradients must equal a single-process
+plain-autograd run (``to_reference``: nn.Linear twins with the same tying) over all ranks' data
+concatenated. Each bucket's all_reduce must be launched exactly once per step and only after the
+last contribution to its parameters: every test runs its steps through a ``Tracker`` that records
+during which action (backward, or which layer's backward_dw) each launch happened.
+
+To keep the file fast, one group of processes per world size runs every case (``_worker``); a case
+that fails on any rank fails its test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import splitgrad
+import splitgrad.distributed
+from sg_helpers import assert_grads_match, to_reference
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this PyTorch build",
+)
+
+D = 8
+BATCH = 4  # per rank and micro-batch
+TINY = 1e-6  # bucket_cap_mb smaller than any parameter: one bucket per parameter
+WORKER_TIMEOUT_S = 240
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers used inside the workers
+# ------------------------------------------------------------------------------------------------
+
+
+def linear(delay, name, **kw):
+    return splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=delay, name=name, **kw)
+
+
+class Tracker:
+    """Runs the actions of a step and records which reducer launches happened during which action."""
+
+    def __init__(self, reducer):
+        self.reducer = reducer
+        self.launched_during: dict[str, list[str]] = {}  # parameter name -> actions
+
+    def do(self, label, fn):
+        before = len(self.reducer.launch_log)
+        fn()
+        for _, names in self.reducer.launch_log[before:]:
+            for name in names:
+                self.launched_during.setdefault(name, []).append(label)
+
+    def backward(self, loss):
+        self.do("B", loss.backward)
+
+    def backward_dw(self, layer):
+        self.do(f"W {layer.name}", layer.backward_dw)
+
+
+def rank_batches(step, world, n_micro=1, vocab=None):
+    """Every rank's inputs and targets for one step: [rank][micro] -> (x, target). Drawn from a
+    generator seeded by (step, rank), so any process can rebuild any rank's data."""
+    data = []
+    for rank in range(world):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        micro = []
+        for _ in range(n_micro):
+            if vocab is None:
+                micro.append((torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)))
+            else:
+                micro.append((torch.randint(vocab, (BATCH, 3), generator=g),
+                              torch.randint(vocab, (BATCH, 3), generator=g)))
+        data.append(micro)
+    return data
+
+
+def mse(model, x, t, scale=1.0):
+    return F.mse_loss(model(x), t) * scale
+
+
+def reference_step(reference, data, loss_fn):
+    """Plain autograd over all ranks' data at once: the mean loss over everything."""
+    xs = torch.cat([x for micro in data for x, _ in micro])
+    ts = torch.cat([t for micro in data for _, t in micro])
+    loss_fn(reference, xs, ts).backward()
+
+
+def zero_grads(*models):
+    for model in models:
+        for p in model.parameters():
+            p.grad = None
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()
+
+
+def assert_each_launched_once(reducer, tracker, expected_during):
+    """Every parameter's bucket launched exactly once in the step, during the expected action."""
+    names = [name for _, names in reducer.launch_log for name in names]
+    assert sorted(names) == sorted(expected_during), (names, sorted(expected_during))
+    during = {name: actions[0] for name, actions in tracker.launched_during.items()}
+    assert during == expected_during, f"launched during {during}, expected {expected_during}"
+
+
+def tied_model():
+    """Two delayed layers sharing one weight, and an untied regular layer."""
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    model = nn.Sequential(linear(True, "a"), nn.Tanh(), linear(True, "b"), nn.Tanh(), linear(False, "c"))
+    model[2].weight = model[0].weight
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# The cases (run on every rank; they return nothing and raise on failure)
+# ------------------------------------------------------------------------------------------------
+
+
+def case_tied_layers(rank, world):
+    """Two tied delayed layers + a regular one, one bucket per parameter, two steps, backward then
+    backward_dw in reverse order, then finish()."""
+    model = tied_model()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    assert reducer.buckets == [("4.bias",), ("4.weight",), ("2.bias",), ("0.bias",), ("0.weight",)]
+    for step in range(2):
+        data = rank_batches(step, world)
+        reducer.launch_log.clear()
+        tracker = Tracker(reducer)
+        x, t = data[rank][0]
+        tracker.backward(mse(model, x, t))
+        tracker.backward_dw(model[2])
+        tracker.backward_dw(model[0])
+        reducer.finish()
+        # c is regular: ready when the pass ends; b's bias after b's W; the tied weight only after
+        # a's W (its second deferred contribution), never after b's
+        assert_each_launched_once(reducer, tracker, {
+            "4.weight": "B", "4.bias": "B", "2.bias": "W b", "0.bias": "W a", "0.weight": "W a",
+        })
+        # (within one layer the weight's and the bias's hooks fire in no promised order)
+        assert set(reducer.launch_log[:2]) == {(0, ("4.bias",)), (1, ("4.weight",))}
+        reference_step(reference, data, mse)
+        assert_grads_match(model, reference, exact=False)
+        zero_grads(model, reference)
+    reducer.remove()
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to a delayed output splitgrad.Linear, with a delayed layer between."""
+
+    def __init__(self, vocab=11):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, D)
+        self.mid = linear(True, "mid")
+        self.head = splitgrad.Linear(D, vocab, bias=False, device="cpu", delay_wgrad_compute=True,
+                                     name="head")
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mid(self.embed(ids))))
+
+
+def lm_loss(model, ids, targets):
+    logits = model(ids)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def case_tied_embedding(rank, world):
+    """nn.Embedding tied to a delayed output layer: the shared weight is reduced once, after the
+    head's backward_dw (the embedding's immediate contribution landed during backward)."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    data = rank_batches(0, world, vocab=11)
+    tracker = Tracker(reducer)
+    ids, targets = data[rank][0]
+    tracker.backward(lm_loss(model, ids, targets))
+    tracker.backward_dw(model.head)
+    tracker.backward_dw(model.mid)
+    reducer.finish()
+    assert_each_launched_once(reducer, tracker, {
+        "embed.weight": "W head", "mid.weight": "W mid", "mid.bias": "W mid",
+    })
+    reference_step(reference, data, lm_loss)
+    assert_grads_match(model, reference, exact=False)
+    reducer.remove()
+
+
+def case_main_grad(rank, world):
+    """fuse_wgrad_accumulation: the fp32 main_grad is what is reduced (weights; a bias with a
+    main_grad too), .grad where the parameter has no main_grad; one bucket for everything."""
+    torch.manual_seed(0)
+    model = nn.Sequential(linear(True, "a", fuse_wgrad_accumulation=True), nn.Tanh(),
+                          linear(True, "b", fuse_wgrad_accumulation=True))
+    model[2].weight = model[0].weight
+    model[0].weight.main_grad = torch.zeros_like(model[0].weight, dtype=torch.float32)
+    model[0].bias.main_grad = torch.zeros_like(model[0].bias, dtype=torch.float32)
+    # model[2].bias has no main_grad: its gradient goes to .grad, as in te.Linear
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model)  # default cap: a single bucket
+    assert reducer.buckets == [("2.bias", "0.bias", "0.weight")]
+    for step in range(2):
+        data = rank_batches(step, world)
+        reducer.launch_log.clear()
+        tracker = Tracker(reducer)
+        x, t = data[rank][0]
+        tracker.backward(mse(model, x, t))
+        tracker.backward_dw(model[0])
+        tracker.backward_dw(model[2])
+        reducer.finish()
+        assert_each_launched_once(reducer, tracker, {"2.bias": "W b", "0.bias": "W b", "0.weight": "W b"})
+        assert model[0].weight.grad is None and model[0].bias.grad is None
+        reference_step(reference, data, mse)
+        assert_grads_match(model, reference, exact=False)  # main_grad where there is one
+        zero_grads(model, reference)
+    reducer.remove()
+
+
+def case_no_sync(rank, world):
+    """Two micro-batches, the first inside no_sync(): nothing is launched for it, and the second
+    reduces the accumulated gradients."""
+    model = tied_model()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    data = rank_batches(0, world, n_micro=2)
+    (x0, t0), (x1, t1) = data[rank]
+    with reducer.no_sync():
+        mse(model, x0, t0, 0.5).backward()
+        model[2].backward_dw()
+        model[0].backward_dw()
+    assert reducer.launch_log == []
+    tracker = Tracker(reducer)
+    tracker.backward(mse(model, x1, t1, 0.5))
+    tracker.backward_dw(model[2])
+    tracker.backward_dw(model[0])
+    reducer.finish()
+    assert_each_launched_once(reducer, tracker, {
+        "4.weight": "B", "4.bias": "B", "2.bias": "W b", "0.bias": "W a", "0.weight": "W a",
+    })
+    reference_step(reference, data, mse)
+    assert_grads_match(model, reference, exact=False)
+    reducer.remove()
+
+
+class Skipping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = linear(True, "a")
+        self.skipped = linear(True, "skipped")
+        self.c = linear(False, "c")
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.a(x)))  # self.skipped is unused on purpose
+
+
+def case_never_ready(rank, world):
+    """A layer left out of the forward: finish() raises naming its parameters, after reducing the
+    others."""
+    torch.manual_seed(0)
+    model = Skipping()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    data = rank_batches(0, world)
+    x, t = data[rank][0]
+    mse(model, x, t).backward()
+    model.a.backward_dw()
+    try:
+        reducer.finish()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError("finish() did not raise for parameters that never became ready")
+    assert "'skipped.weight', 'skipped.bias'" in message, message
+    assert "never became ready" in message, message
+    assert "'a.weight'" not in message and "'c.weight'" not in message, message
+    reference_step(reference, data, mse)
+    assert_grads_match(model, reference, exact=False)  # the others were reduced; skipped: None
+    reducer.remove()
+
+
+def case_ready_twice(rank, world):
+    """Two backward passes reduced in one step (no no_sync): the second readiness raises."""
+    model = tied_model()
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    data = rank_batches(0, world)
+    x, t = data[rank][0]
+    mse(model, x, t).backward()
+    splitgrad.backward_dw_all()
+    try:
+        mse(model, x, t).backward()  # c's hooks fire at the end of this pass
+    except RuntimeError as error:
+        assert "became ready twice before finish()" in str(error), str(error)
+    else:
+        raise AssertionError("a parameter made ready twice did not raise")
+    with reducer.no_sync():
+        splitgrad.backward_dw_all()  # the work the failed step left queued
+    reducer.finish()
+    reducer.remove()
+
+
+def case_overlap(rank, world):
+    """One bucket per parameter: the first buckets' all_reduces are launched (and in flight) while
+    the later backward_dw() calls still run, before finish()."""
+    torch.manual_seed(0)
+    layers = [linear(True, f"l{i}") for i in range(4)]
+    model = nn.Sequential(*layers)
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    data = rank_batches(0, world)
+    x, t = data[rank][0]
+    mse(model, x, t).backward()
+    assert reducer.launch_log == []  # every layer is delayed: nothing is ready yet
+    launched = []
+    in_flight = []
+    for layer in reversed(layers):
+        layer.backward_dw()
+        launched.append(len(reducer.launch_log))
+        in_flight.append(sum(b.work is not None for b in reducer._buckets))
+    assert launched == [2, 4, 6, 8], launched  # grows between backward_dw calls
+    assert in_flight == [2, 4, 6, 8], in_flight  # each launch's handle is held until finish()
+    assert set(reducer.launch_log[:2]) == {(0, ("3.bias",)), (1, ("3.weight",))}  # the last layer's
+    reducer.finish()
+    reference_step(reference, data, mse)
+    assert_grads_match(model, reference, exact=False)
+    reducer.remove()
+
+
+CASES = {
+    "tied_layers": case_tied_layers,
+    "tied_embedding": case_tied_embedding,
+    "main_grad": case_main_grad,
+    "no_sync": case_no_sync,
+    "never_ready": case_never_ready,
+    "ready_twice": case_ready_twice,
+    "overlap": case_overlap,
+}
+
+
+def _worker(rank, world, init_file, out_dir):
+    results = {}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        for name, case in CASES.items():
+            try:
+                case(rank, world)
+                results[name] = None
+            except BaseException:  # noqa: BLE001 - reported to the parent test
+                results[name] = traceback.format_exc()
+            finally:
+                while splitgrad.pending_wgrads():  # a failed case must not leak into the next
+                    try:
+                        splitgrad.backward_dw_all()
+                    except RuntimeError:
+                        pass
+            dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        results["__worker__"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+# ------------------------------------------------------------------------------------------------
+# The tests (in the pytest process)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    """Runs every case on ``world`` spawned ranks; returns {case: [traceback or None per rank]}."""
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"world{world}")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(rank, world, str(tmp / "init"), str(tmp)))
+             for rank in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(WORKER_TIMEOUT_S)
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for rank in hung:
+        procs[rank].kill()
+        procs[rank].join()
+    per_rank = []
+    for rank, p in enumerate(procs):
+        path = tmp / f"rank{rank}.json"
+        if not path.exists():
+            pytest.fail(f"rank {rank} of {world} wrote no result (exit code {p.exitcode}"
+                        f"{', killed after hanging' if rank in hung else ''})")
+        per_rank.append(json.loads(path.read_text()))
+    for rank, res in enumerate(per_rank):
+        if "__worker__" in res:
+            pytest.fail(f"rank {rank} of {world} failed outside the cases:\n{res['__worker__']}")
+    return {case: [res.get(case, "case did not run") for res in per_rank] for case in CASES}
+
+
+def _check(results, case):
+    failures = [(rank, tb) for rank, tb in enumerate(results[case]) if tb is not None]
+    if failures:
+        pytest.fail("\n".join(f"--- rank {rank} of {len(results[case])}:\n{tb}" for rank, tb in failures),
+                    pytrace=False)
+
+
+def test_tied_delayed_layers_and_regular_layer(results):
+    """Reduced gradients equal plain autograd over all ranks' data; the tied weight's bucket is
+    launched after the second tied layer's backward_dw, each parameter once per step."""
+    _check(results, "tied_layers")
+
+
+def test_embedding_tied_to_delayed_output_layer(results):
+    _check(results, "tied_embedding")
+
+
+def test_fuse_wgrad_accumulation_main_grad(results):
+    _check(results, "main_grad")
+
+
+def test_no_sync_gradient_accumulation(results):
+    _check(results, "no_sync")
+
+
+def test_finish_names_parameters_never_ready(results):
+    _check(results, "never_ready")
+
+
+def test_ready_twice_without_no_sync_raises(results):
+    _check(results, "ready_twice")
+
+
+def test_all_reduce_overlaps_remaining_backward_dw(results):
+    _check(results, "overlap")
+
+
+# ------------------------------------------------------------------------------------------------
+# Single-process checks (no spawned ranks)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_arguments_checked_and_not_initialized_error():
+    model = nn.Sequential(linear(False, "x"))
+    with pytest.raises(NotImplementedError, match="reduce_scatter"):
+        splitgrad.distributed.GradReducer(model, mode="reduce_scatter")
+    with pytest.raises(ValueError, match="mode"):
+        splitgrad.distributed.GradReducer(model, mode="broadcast")
+    with pytest.raises(ValueError, match="bucket_cap_mb"):
+        splitgrad.distributed.GradReducer(model, bucket_cap_mb=0)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_process_group"):
+            splitgrad.distributed.GradReducer(model)
