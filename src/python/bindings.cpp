@@ -101,8 +101,4 @@ PYBIND11_MODULE(_C, m) {
         END_HANDLE_TH_ERRORS_PYBIND
       },
       py::arg("param"), py::arg("hook"));
-  m.def("set_main_grad_accumulated_callback", [](py::object fn) {
-    splitgrad::set_main_grad_accumulated_callback(
-        fn.is_none() ? nullptr : python_callback<const at::Tensor&>(fn.cast<py::function>()));
-  });
 }
