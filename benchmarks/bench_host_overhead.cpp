@@ -44,8 +44,8 @@ int main(int argc, char** argv) {
       plain.emplace_back(torch::nn::LinearOptions(16, 16).bias(false));
       plain.back()->to(device);
     }
-    const torch::Tensor x = torch::randn({4, 16}, torch::dtype(torch::kFloat).device(device))
-                                .requires_grad_(true);
+    const torch::Tensor x =
+        torch::randn({4, 16}, torch::dtype(torch::kFloat).device(device)).requires_grad_(true);
     const int64_t passes = std::max(4, 4000 / layers);
 
     auto forward_ours = [&] {
