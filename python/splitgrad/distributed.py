@@ -1,15 +1,18 @@
 """Data-parallel gradient reduction driven by splitgrad's grad-ready hooks.
 
-:class:`GradReducer` is a DDP-style reducer: it groups a model's parameters into buckets and
-launches one asynchronous ``torch.distributed.all_reduce`` per bucket as soon as every parameter of
-the bucket is *ready* — that is, when ``splitgrad.register_grad_ready_hook`` reports that the last
-contribution of the backward pass (immediate or deferred, from any layer it is tied to) has landed.
-The collectives therefore overlap with the ``backward_dw()`` calls still to come, and a tied
-weight is reduced once, with its whole gradient. :meth:`GradReducer.finish` waits for them and
-writes the reduced gradients back.
+:class:`GradReducer` groups a model's parameters into buckets and launches one asynchronous
+collective per bucket as soon as every parameter of the bucket is *ready* — that is, when
+``splitgrad.register_grad_ready_hook`` reports that the last contribution of the backward pass
+(immediate or deferred, from any layer it is tied to) has landed. The collectives therefore overlap
+with the ``backward_dw()`` calls still to come, and a tied weight is reduced once, with its whole
+gradient. :meth:`GradReducer.finish` waits for them.
 
-Only ``mode="all_reduce"`` is implemented so far; ``"reduce_scatter"`` (ZeRO-2/FSDP-style sharded
-gradients) is a later step.
+- ``mode="all_reduce"`` (DDP-style): ``torch.distributed.all_reduce`` per bucket; ``finish()`` writes
+  the reduced gradients back into ``.grad`` / ``main_grad``.
+- ``mode="reduce_scatter"`` (ZeRO-2/FSDP-style): ``torch.distributed.reduce_scatter_tensor`` per
+  bucket into this rank's shard of it; after ``finish()``, :meth:`GradReducer.sharded_grad` and
+  :meth:`GradReducer.shard_range` give each parameter's reduced slice that this rank owns. The full
+  ``.grad`` / ``main_grad`` keeps the local (unreduced) gradient.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ._deferred import register_grad_ready_hook
 
 __all__ = ["GradReducer"]
 
-_MODES = ("all_reduce",)
+_MODES = ("all_reduce", "reduce_scatter")
 
 
 def _gradient_source(param: torch.Tensor) -> torch.Tensor | None:
@@ -38,7 +41,7 @@ def _gradient_source(param: torch.Tensor) -> torch.Tensor | None:
 
 class _Bucket:
     __slots__ = ("index", "params", "names", "offsets", "numel", "dtype", "device", "buffer",
-                 "ready", "work")
+                 "ready", "work", "shard", "reduced")
 
     def __init__(self, index: int, dtype: torch.dtype, device: torch.device) -> None:
         self.index = index
@@ -50,7 +53,11 @@ class _Bucket:
         self.device = device
         self.buffer: torch.Tensor | None = None  # allocated at the first launch
         self.ready = 0  # parameters of this bucket ready in the current step
-        self.work = None  # the in-flight all_reduce of the current step
+        self.work = None  # the in-flight collective of the current step
+        # reduce_scatter mode: this rank's shard of the (padded) reduced buffer, and whether it
+        # holds the result of the last finish()
+        self.shard: torch.Tensor | None = None
+        self.reduced = False
 
     def add(self, param: torch.Tensor, name: str) -> None:
         self.params.append(param)
@@ -58,10 +65,15 @@ class _Bucket:
         self.offsets.append(self.numel)
         self.numel += param.numel()
 
+    def padded_numel(self, world_size: int) -> int:
+        """The buffer's length in reduce_scatter mode: numel rounded up to a multiple of world_size."""
+        return -(-self.numel // world_size) * world_size
+
 
 class GradReducer:
     """Averages (or sums) a model's gradients over a process group, bucket by bucket, each bucket
-    launched as soon as all of its parameters are ready.
+    launched as soon as all of its parameters are ready; all-reduced (every rank gets the whole
+    result) or reduce-scattered (every rank gets its shard).
 
     Args:
         model: the module whose parameters to reduce. Each parameter is reduced once, however many
@@ -69,7 +81,12 @@ class GradReducer:
         process_group: the ``torch.distributed`` group (default: the world group).
         bucket_cap_mb: the most megabytes of gradient per bucket (a larger parameter gets a bucket
             of its own). Buckets are filled in reverse registration order, as DDP does.
-        mode: ``"all_reduce"`` (DDP-style). ``"reduce_scatter"`` is not implemented yet.
+        mode: ``"all_reduce"`` (DDP-style: the reduced gradients are written back into ``.grad`` /
+            ``main_grad``) or ``"reduce_scatter"`` (ZeRO-2/FSDP-style: each bucket's flat gradient,
+            padded to a multiple of the group size, is reduce-scattered; rank ``r`` owns the ``r``-th
+            of the group-size equal shards. Read the result with :meth:`sharded_grad` /
+            :meth:`shard_range` after ``finish()``, or the whole shards in :attr:`shards`; ``.grad``
+            / ``main_grad`` are left holding the local, unreduced gradient).
         average: divide the sum by the group's size (the default), else leave the sum.
 
     The gradient of a parameter is its ``main_grad`` if it has that attribute (set it before
@@ -84,6 +101,10 @@ class GradReducer:
         reducer.finish()                          # wait; .grad / main_grad now hold the average
         optimizer.step()
 
+    In ``mode="reduce_scatter"`` the step is the same, then for each parameter
+    ``reducer.sharded_grad(p)`` is the reduced ``p.grad.flatten()[start:stop]`` with
+    ``(start, stop) = reducer.shard_range(p)`` (empty where this rank owns none of ``p``).
+
     Every parameter must become ready exactly once between two ``finish()`` calls (outside
     :meth:`no_sync`); ``finish()`` raises a ``RuntimeError`` naming the parameters that did not, and a
     parameter made ready twice raises at once. All ranks must make the parameters ready in the same
@@ -92,10 +113,8 @@ class GradReducer:
 
     def __init__(self, model: nn.Module, process_group=None, bucket_cap_mb: float = 25,
                  mode: str = "all_reduce", average: bool = True) -> None:
-        if mode == "reduce_scatter":
-            raise NotImplementedError("GradReducer: mode='reduce_scatter' is not implemented yet; use 'all_reduce'")
         if mode not in _MODES:
-            raise ValueError(f"GradReducer: expected mode 'all_reduce', got {mode!r}")
+            raise ValueError(f"GradReducer: expected mode 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
                 and bucket_cap_mb > 0):
             raise ValueError(f"GradReducer: expected a positive bucket_cap_mb, got {bucket_cap_mb!r}")
@@ -107,7 +126,8 @@ class GradReducer:
         self.mode = mode
         self.average = bool(average)
         self.world_size = dist.get_world_size(process_group)
-        #: (bucket_index, tuple of parameter names), one entry per all_reduce launched, in launch order.
+        self.rank = dist.get_rank(process_group)
+        #: (bucket_index, tuple of parameter names), one entry per collective launched, in launch order.
         self.launch_log: list[tuple[int, tuple[str, ...]]] = []
 
         params: list[tuple[str, nn.Parameter]] = []
@@ -135,6 +155,10 @@ class GradReducer:
             self._where[id(param)] = (bucket.index, len(bucket.params))
             bucket.add(param, name)
         self._names = {id(param): name for name, param in params}  # in registration order
+        if mode == "reduce_scatter":
+            for bucket in self._buckets:
+                bucket.shard = torch.zeros(bucket.padded_numel(self.world_size) // self.world_size,
+                                           dtype=bucket.dtype, device=bucket.device)
 
         self._lock = threading.Lock()
         self._sync = True
@@ -147,6 +171,58 @@ class GradReducer:
     def buckets(self) -> list[tuple[str, ...]]:
         """The parameter names of each bucket, in bucket order."""
         return [tuple(b.names) for b in self._buckets]
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        """reduce_scatter mode: this rank's shard buffer of each bucket, in bucket order (the buffers
+        are reused from step to step; their contents are valid after ``finish()``)."""
+        self._require_sharded("shards")
+        return [b.shard for b in self._buckets]
+
+    def _require_sharded(self, what: str) -> None:
+        if self.mode != "reduce_scatter":
+            raise RuntimeError(f"GradReducer.{what} is only available with mode='reduce_scatter' "
+                               f"(this reducer's mode is {self.mode!r})")
+
+    def _slot(self, param: torch.Tensor) -> tuple[_Bucket, int, int, int]:
+        """(bucket, the parameter's offset in the bucket, start, stop) with start/stop as in
+        :meth:`shard_range`."""
+        where = self._where.get(id(param))
+        if where is None:
+            raise ValueError("GradReducer: the tensor is not one of the parameters this reducer reduces")
+        bucket = self._buckets[where[0]]
+        offset = bucket.offsets[where[1]]
+        numel = param.numel()
+        shard_numel = bucket.shard.numel()
+        shard_begin = self.rank * shard_numel  # this rank's shard within the bucket's flat buffer
+        start = min(max(shard_begin - offset, 0), numel)
+        stop = max(start, min(shard_begin + shard_numel - offset, numel))
+        return bucket, offset, start, stop
+
+    def shard_range(self, param: torch.Tensor) -> tuple[int, int]:
+        """reduce_scatter mode: the indices ``(start, stop)`` into ``param.flatten()`` whose reduced
+        gradient this rank holds (``start == stop`` where it holds none). Over the ranks in order,
+        the ranges tile ``[0, param.numel())``."""
+        self._require_sharded("shard_range()")
+        _, _, start, stop = self._slot(param)
+        return start, stop
+
+    def sharded_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """reduce_scatter mode, after ``finish()``: this rank's slice of ``param``'s reduced (averaged
+        or summed) gradient, flattened — a 1-D view into the bucket's shard buffer covering
+        ``param.flatten()[start:stop]`` with ``(start, stop) = shard_range(param)``; empty where this
+        rank owns none of ``param``. Raises if the parameter's bucket was not reduced in the last
+        ``finish()``."""
+        self._require_sharded("sharded_grad()")
+        bucket, offset, start, stop = self._slot(param)
+        if not bucket.reduced:
+            raise RuntimeError(
+                f"GradReducer.sharded_grad(): the bucket of '{self._names[id(param)]}' was not reduced "
+                "in the last step (call finish() after the step; was the parameter never ready?)")
+        if start == stop:
+            return bucket.shard[:0]
+        begin = offset + start - self.rank * bucket.shard.numel()
+        return bucket.shard[begin:begin + stop - start]
 
     # -- the grad-ready hook --------------------------------------------------------------------
 
@@ -169,24 +245,33 @@ class GradReducer:
                 self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        sharded = self.mode == "reduce_scatter"
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.numel, dtype=bucket.dtype, device=bucket.device)
+            size = bucket.padded_numel(self.world_size) if sharded else bucket.numel
+            bucket.buffer = torch.empty(size, dtype=bucket.dtype, device=bucket.device)
         for param, name, offset in zip(bucket.params, bucket.names, bucket.offsets):
             grad = _gradient_source(param)
             if grad is None:
                 raise RuntimeError(f"GradReducer: parameter '{name}' became ready without a gradient "
                                    "(.grad and main_grad are both None)")
             bucket.buffer[offset:offset + param.numel()].copy_(grad.reshape(-1))
-        if self.average and self.world_size > 1:
-            bucket.buffer.div_(self.world_size)
-        bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        if sharded:
+            bucket.reduced = False  # the shard is being overwritten until finish()
+            bucket.buffer[bucket.numel:].zero_()  # the padding (a backend may have written to it)
+            bucket.work = dist.reduce_scatter_tensor(bucket.shard, bucket.buffer, op=dist.ReduceOp.SUM,
+                                                     group=self.process_group, async_op=True)
+        else:
+            if self.average and self.world_size > 1:
+                bucket.buffer.div_(self.world_size)
+            bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         self.launch_log.append((bucket.index, tuple(bucket.names)))
 
     # -- the step ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for every launched all_reduce and write the reduced gradients back into each
-        parameter's ``.grad`` / ``main_grad``; then start a new step.
+        """Wait for every launched collective; in all_reduce mode write the reduced gradients back
+        into each parameter's ``.grad`` / ``main_grad``, in reduce_scatter mode leave them in the
+        shards (:meth:`sharded_grad`); then start a new step.
 
         Raises RuntimeError naming the parameters that did not become ready in this step (the
         buckets that were launched are still waited for and written back first)."""
@@ -196,9 +281,16 @@ class GradReducer:
                                    "there; call finish() after the step that leaves no_sync()")
             try:
                 for bucket in self._buckets:
+                    bucket.reduced = False
+                for bucket in self._buckets:
                     if bucket.work is None:
                         continue
                     bucket.work.wait()
+                    if self.mode == "reduce_scatter":
+                        if self.average and self.world_size > 1:
+                            bucket.shard.div_(self.world_size)
+                        bucket.reduced = True
+                        continue
                     for param, offset in zip(bucket.params, bucket.offsets):
                         grad = _gradient_source(param)
                         grad.copy_(bucket.buffer[offset:offset + param.numel()].view_as(grad))
@@ -231,7 +323,7 @@ class GradReducer:
             self._sync = previous
 
     def remove(self) -> None:
-        """Unregister the grad-ready hooks (launched all_reduces are not waited for: call finish() first)."""
+        """Unregister the grad-ready hooks (launched collectives are not waited for: call finish() first)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []

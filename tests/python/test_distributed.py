@@ -1,18 +1,22 @@
-"""splitgrad.distributed.GradReducer (mode="all_reduce"), over gloo on the CPU with 2 and 4 ranks.
+"""splitgrad.distributed.GradReducer (mode="all_reduce" and mode="reduce_scatter"), over gloo on the
+CPU with 2 and 4 ranks.
 
 Each rank trains on its own data (seeded by rank); the reduced gradients must equal a single-process
 plain-autograd run (``to_reference``: nn.Linear twins with the same tying) over all ranks' data
-concatenated. Each bucket's all_reduce must be launched exactly once per step and only after the
-last contribution to its parameters: every test runs its steps through a ``Tracker`` that records
-during which action (backward, or which layer's backward_dw) each launch happened.
+concatenated. In reduce_scatter mode, the ranks' ``sharded_grad`` slices of every parameter are
+gathered and concatenated in ``shard_range`` order first (``assert_reduced_match``). Each bucket's
+collective must be launched exactly once per step and only after the last contribution to its
+parameters: every test runs its steps through a ``Tracker`` that records during which action
+(backward, or which layer's backward_dw) each launch happened.
 
-To keep the file fast, one group of processes per world size runs every case (``_worker``); a case
-that fails on any rank fails its test with that rank's traceback.
+To keep the file fast, one group of processes per world size runs every case in both modes
+(``_worker``); a case that fails on any rank fails its test with that rank's traceback.
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import traceback
@@ -26,7 +30,7 @@ from torch import nn
 
 import splitgrad
 import splitgrad.distributed
-from sg_helpers import assert_grads_match, to_reference
+from sg_helpers import assert_grads_match, named_gradients, to_reference
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -36,6 +40,7 @@ pytestmark = pytest.mark.skipif(
 D = 8
 BATCH = 4  # per rank and micro-batch
 TINY = 1e-6  # bucket_cap_mb smaller than any parameter: one bucket per parameter
+MODES = ("all_reduce", "reduce_scatter")
 WORKER_TIMEOUT_S = 240
 
 
@@ -105,6 +110,47 @@ def zero_grads(*models):
                 p.main_grad.zero_()
 
 
+def assert_reduced_match(model, reference, reducer, world):
+    """After finish(), the reduced gradients equal the reference's (plain autograd over all ranks'
+    data). all_reduce mode: every parameter's .grad / main_grad. reduce_scatter mode: every rank's
+    sharded_grad slices, gathered and concatenated in rank order, whose shard_range's tile the
+    flattened parameter. A gradient that is None in the reference must be unreduced here (for
+    reduce_scatter: sharded_grad raises)."""
+    if reducer.mode == "all_reduce":
+        assert_grads_match(model, reference, exact=False)
+        return
+    mine = {}
+    for name, param in model.named_parameters():
+        start, stop = reducer.shard_range(param)
+        try:
+            piece = reducer.sharded_grad(param)
+        except RuntimeError:
+            piece = None
+        else:
+            assert piece.dim() == 1 and piece.numel() == stop - start, (name, piece.shape, start, stop)
+            bucket = reducer._buckets[reducer._where[id(param)][0]]
+            assert piece.untyped_storage().data_ptr() == bucket.shard.untyped_storage().data_ptr()
+            piece = piece.clone()
+        mine[name] = (start, stop, piece)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)  # every rank gathers before any assertion
+    for name, want in named_gradients(reference).items():
+        per_rank = [g[name] for g in gathered]
+        if want is None:
+            assert all(piece is None for _, _, piece in per_rank), f"{name}: reduced, reference has no grad"
+            continue
+        position = 0
+        for rank, (start, stop, piece) in enumerate(per_rank):
+            assert piece is not None, f"{name}: rank {rank} has no sharded gradient"
+            assert start == position and stop >= start, f"{name}: ranges {[r[:2] for r in per_rank]}"
+            position = stop
+        assert position == want.numel(), f"{name}: ranges {[r[:2] for r in per_rank]}"
+        got = torch.cat([piece for _, _, piece in per_rank]).view_as(want)
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, rtol=1.3e-6, atol=1e-5 * scale,
+                                   msg=lambda m: f"{name} (sharded): {m}")
+
+
 def assert_each_launched_once(reducer, tracker, expected_during):
     """Every parameter's bucket launched exactly once in the step, during the expected action."""
     names = [name for _, names in reducer.launch_log for name in names]
@@ -126,12 +172,13 @@ def tied_model():
 # ------------------------------------------------------------------------------------------------
 
 
-def case_tied_layers(rank, world):
+def case_tied_layers(rank, world, mode):
     """Two tied delayed layers + a regular one, one bucket per parameter, two steps, backward then
-    backward_dw in reverse order, then finish()."""
+    backward_dw in reverse order, then finish(). reduce_scatter: .grad keeps the local gradient."""
     model = tied_model()
     reference = to_reference(model)
-    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    local = to_reference(model)  # plain autograd over this rank's data only
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
     assert reducer.buckets == [("4.bias",), ("4.weight",), ("2.bias",), ("0.bias",), ("0.weight",)]
     for step in range(2):
         data = rank_batches(step, world)
@@ -150,8 +197,11 @@ def case_tied_layers(rank, world):
         # (within one layer the weight's and the bias's hooks fire in no promised order)
         assert set(reducer.launch_log[:2]) == {(0, ("4.bias",)), (1, ("4.weight",))}
         reference_step(reference, data, mse)
-        assert_grads_match(model, reference, exact=False)
-        zero_grads(model, reference)
+        assert_reduced_match(model, reference, reducer, world)
+        if mode == "reduce_scatter":
+            reference_step(local, [data[rank]], mse)
+            assert_grads_match(model, local, exact=False)  # left unreduced
+        zero_grads(model, reference, local)
     reducer.remove()
 
 
@@ -175,13 +225,13 @@ def lm_loss(model, ids, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def case_tied_embedding(rank, world):
+def case_tied_embedding(rank, world, mode):
     """nn.Embedding tied to a delayed output layer: the shared weight is reduced once, after the
     head's backward_dw (the embedding's immediate contribution landed during backward)."""
     torch.manual_seed(0)
     model = TiedLM()
     reference = to_reference(model)
-    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
     data = rank_batches(0, world, vocab=11)
     tracker = Tracker(reducer)
     ids, targets = data[rank][0]
@@ -193,11 +243,11 @@ def case_tied_embedding(rank, world):
         "embed.weight": "W head", "mid.weight": "W mid", "mid.bias": "W mid",
     })
     reference_step(reference, data, lm_loss)
-    assert_grads_match(model, reference, exact=False)
+    assert_reduced_match(model, reference, reducer, world)
     reducer.remove()
 
 
-def case_main_grad(rank, world):
+def case_main_grad(rank, world, mode):
     """fuse_wgrad_accumulation: the fp32 main_grad is what is reduced (weights; a bias with a
     main_grad too), .grad where the parameter has no main_grad; one bucket for everything."""
     torch.manual_seed(0)
@@ -208,7 +258,8 @@ def case_main_grad(rank, world):
     model[0].bias.main_grad = torch.zeros_like(model[0].bias, dtype=torch.float32)
     # model[2].bias has no main_grad: its gradient goes to .grad, as in te.Linear
     reference = to_reference(model)
-    reducer = splitgrad.distributed.GradReducer(model)  # default cap: a single bucket
+    local = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, mode=mode)  # default cap: a single bucket
     assert reducer.buckets == [("2.bias", "0.bias", "0.weight")]
     for step in range(2):
         data = rank_batches(step, world)
@@ -222,17 +273,20 @@ def case_main_grad(rank, world):
         assert_each_launched_once(reducer, tracker, {"2.bias": "W b", "0.bias": "W b", "0.weight": "W b"})
         assert model[0].weight.grad is None and model[0].bias.grad is None
         reference_step(reference, data, mse)
-        assert_grads_match(model, reference, exact=False)  # main_grad where there is one
-        zero_grads(model, reference)
+        assert_reduced_match(model, reference, reducer, world)  # main_grad where there is one
+        if mode == "reduce_scatter":
+            reference_step(local, [data[rank]], mse)
+            assert_grads_match(model, local, exact=False)  # main_grad left unreduced
+        zero_grads(model, reference, local)
     reducer.remove()
 
 
-def case_no_sync(rank, world):
+def case_no_sync(rank, world, mode):
     """Two micro-batches, the first inside no_sync(): nothing is launched for it, and the second
     reduces the accumulated gradients."""
     model = tied_model()
     reference = to_reference(model)
-    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
     data = rank_batches(0, world, n_micro=2)
     (x0, t0), (x1, t1) = data[rank]
     with reducer.no_sync():
@@ -249,7 +303,7 @@ def case_no_sync(rank, world):
         "4.weight": "B", "4.bias": "B", "2.bias": "W b", "0.bias": "W a", "0.weight": "W a",
     })
     reference_step(reference, data, mse)
-    assert_grads_match(model, reference, exact=False)
+    assert_reduced_match(model, reference, reducer, world)
     reducer.remove()
 
 
@@ -264,13 +318,13 @@ class Skipping(nn.Module):
         return self.c(torch.tanh(self.a(x)))  # self.skipped is unused on purpose
 
 
-def case_never_ready(rank, world):
+def case_never_ready(rank, world, mode):
     """A layer left out of the forward: finish() raises naming its parameters, after reducing the
     others."""
     torch.manual_seed(0)
     model = Skipping()
     reference = to_reference(model)
-    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
     data = rank_batches(0, world)
     x, t = data[rank][0]
     mse(model, x, t).backward()
@@ -285,14 +339,14 @@ def case_never_ready(rank, world):
     assert "never became ready" in message, message
     assert "'a.weight'" not in message and "'c.weight'" not in message, message
     reference_step(reference, data, mse)
-    assert_grads_match(model, reference, exact=False)  # the others were reduced; skipped: None
+    assert_reduced_match(model, reference, reducer, world)  # the others were reduced; skipped: None
     reducer.remove()
 
 
-def case_ready_twice(rank, world):
+def case_ready_twice(rank, world, mode):
     """Two backward passes reduced in one step (no no_sync): the second readiness raises."""
     model = tied_model()
-    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
     data = rank_batches(0, world)
     x, t = data[rank][0]
     mse(model, x, t).backward()
@@ -309,14 +363,14 @@ def case_ready_twice(rank, world):
     reducer.remove()
 
 
-def case_overlap(rank, world):
+def case_overlap(rank, world, mode):
     """One bucket per parameter: the first buckets' all_reduces are launched (and in flight) while
     the later backward_dw() calls still run, before finish()."""
     torch.manual_seed(0)
     layers = [linear(True, f"l{i}") for i in range(4)]
     model = nn.Sequential(*layers)
     reference = to_reference(model)
-    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
     data = rank_batches(0, world)
     x, t = data[rank][0]
     mse(model, x, t).backward()
@@ -332,11 +386,66 @@ def case_overlap(rank, world):
     assert set(reducer.launch_log[:2]) == {(0, ("3.bias",)), (1, ("3.weight",))}  # the last layer's
     reducer.finish()
     reference_step(reference, data, mse)
-    assert_grads_match(model, reference, exact=False)
+    assert_reduced_match(model, reference, reducer, world)
     reducer.remove()
 
 
-CASES = {
+def head_loss(model, x, t):
+    return F.mse_loss(model(x), t[:, :3])
+
+
+def case_several_buckets(rank, world, mode):
+    """Buckets of several parameters, one of 63 elements (not a multiple of 2 or 4: padded; with 4
+    ranks some parameters lie wholly in other ranks' shards, and parameters straddle shard
+    boundaries); two steps reuse the buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(linear(True, "a"), nn.Tanh(),
+                          splitgrad.Linear(D, 5, device="cpu", delay_wgrad_compute=True, name="b"), nn.Tanh(),
+                          splitgrad.Linear(5, 3, device="cpu", name="c"))
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=64 * 4 / 2**20, mode=mode)
+    assert reducer.buckets == [("4.bias", "4.weight", "2.bias", "2.weight"), ("0.bias",), ("0.weight",)]
+    if mode == "reduce_scatter":
+        assert [s.numel() for s in reducer.shards] == [-(-n // world) for n in (63, 8, 64)]
+    for step in range(2):
+        data = rank_batches(step, world)
+        reducer.launch_log.clear()
+        tracker = Tracker(reducer)
+        x, t = data[rank][0]
+        tracker.backward(head_loss(model, x, t))
+        tracker.backward_dw(model[2])
+        tracker.backward_dw(model[0])
+        reducer.finish()
+        assert_each_launched_once(reducer, tracker, {
+            "4.bias": "W b", "4.weight": "W b", "2.bias": "W b", "2.weight": "W b",
+            "0.bias": "W a", "0.weight": "W a",
+        })
+        reference_step(reference, data, head_loss)
+        assert_reduced_match(model, reference, reducer, world)
+        zero_grads(model, reference)
+    reducer.remove()
+
+
+def case_mode_accessors(rank, world, mode):
+    """The sharded accessors exist only in reduce_scatter mode, and only for the reducer's parameters."""
+    model = tied_model()
+    reducer = splitgrad.distributed.GradReducer(model, mode=mode)
+    try:
+        if mode == "all_reduce":
+            for call in (lambda: reducer.shards, lambda: reducer.shard_range(model[0].weight),
+                         lambda: reducer.sharded_grad(model[0].weight)):
+                with pytest.raises(RuntimeError, match="only available with mode='reduce_scatter'"):
+                    call()
+        else:
+            with pytest.raises(ValueError, match="not one of the parameters"):
+                reducer.shard_range(torch.zeros(3))
+            with pytest.raises(RuntimeError, match="was not reduced in the last step"):
+                reducer.sharded_grad(model[0].weight)  # no step has run
+    finally:
+        reducer.remove()
+
+
+_CASES = {
     "tied_layers": case_tied_layers,
     "tied_embedding": case_tied_embedding,
     "main_grad": case_main_grad,
@@ -344,7 +453,11 @@ CASES = {
     "never_ready": case_never_ready,
     "ready_twice": case_ready_twice,
     "overlap": case_overlap,
+    "several_buckets": case_several_buckets,
+    "mode_accessors": case_mode_accessors,
 }
+CASES = {f"{name}[{mode}]": functools.partial(case, mode=mode)
+         for name, case in _CASES.items() for mode in MODES}
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -413,34 +526,52 @@ def _check(results, case):
                     pytrace=False)
 
 
-def test_tied_delayed_layers_and_regular_layer(results):
-    """Reduced gradients equal plain autograd over all ranks' data; the tied weight's bucket is
-    launched after the second tied layer's backward_dw, each parameter once per step."""
-    _check(results, "tied_layers")
+@pytest.mark.parametrize("mode", MODES)
+def test_tied_delayed_layers_and_regular_layer(results, mode):
+    """Reduced (or reduce-scattered) gradients equal plain autograd over all ranks' data; the tied
+    weight's bucket is launched after the second tied layer's backward_dw, each parameter once per
+    step; reduce_scatter leaves the local gradient in .grad."""
+    _check(results, f"tied_layers[{mode}]")
 
 
-def test_embedding_tied_to_delayed_output_layer(results):
-    _check(results, "tied_embedding")
+@pytest.mark.parametrize("mode", MODES)
+def test_embedding_tied_to_delayed_output_layer(results, mode):
+    _check(results, f"tied_embedding[{mode}]")
 
 
-def test_fuse_wgrad_accumulation_main_grad(results):
-    _check(results, "main_grad")
+@pytest.mark.parametrize("mode", MODES)
+def test_fuse_wgrad_accumulation_main_grad(results, mode):
+    _check(results, f"main_grad[{mode}]")
 
 
-def test_no_sync_gradient_accumulation(results):
-    _check(results, "no_sync")
+@pytest.mark.parametrize("mode", MODES)
+def test_no_sync_gradient_accumulation(results, mode):
+    _check(results, f"no_sync[{mode}]")
 
 
-def test_finish_names_parameters_never_ready(results):
-    _check(results, "never_ready")
+@pytest.mark.parametrize("mode", MODES)
+def test_finish_names_parameters_never_ready(results, mode):
+    _check(results, f"never_ready[{mode}]")
 
 
-def test_ready_twice_without_no_sync_raises(results):
-    _check(results, "ready_twice")
+@pytest.mark.parametrize("mode", MODES)
+def test_ready_twice_without_no_sync_raises(results, mode):
+    _check(results, f"ready_twice[{mode}]")
 
 
-def test_all_reduce_overlaps_remaining_backward_dw(results):
-    _check(results, "overlap")
+@pytest.mark.parametrize("mode", MODES)
+def test_collectives_overlap_remaining_backward_dw(results, mode):
+    _check(results, f"overlap[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_several_buckets_padded_shards(results, mode):
+    _check(results, f"several_buckets[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_sharded_accessors_by_mode(results, mode):
+    _check(results, f"mode_accessors[{mode}]")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -450,8 +581,6 @@ def test_all_reduce_overlaps_remaining_backward_dw(results):
 
 def test_arguments_checked_and_not_initialized_error():
     model = nn.Sequential(linear(False, "x"))
-    with pytest.raises(NotImplementedError, match="reduce_scatter"):
-        splitgrad.distributed.GradReducer(model, mode="reduce_scatter")
     with pytest.raises(ValueError, match="mode"):
         splitgrad.distributed.GradReducer(model, mode="broadcast")
     with pytest.raises(ValueError, match="bucket_cap_mb"):
