@@ -218,9 +218,4 @@ bool gemm_supported(cublasLtHandle_t handle, const GemmArgs& args) {
   return plan_for(handle, args).found;
 }
 
-void clear_gemm_cache() {
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  cache().clear();
-}
-
 }  // namespace splitgrad::cuda

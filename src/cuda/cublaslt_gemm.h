@@ -68,7 +68,4 @@ GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stre
 /// and caches the answer; launches nothing).
 bool gemm_supported(cublasLtHandle_t handle, const GemmArgs& args);
 
-/// Forgets every cached descriptor and algorithm (tests, or after changing the device setup).
-void clear_gemm_cache();
-
 }  // namespace splitgrad::cuda
