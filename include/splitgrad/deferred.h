@@ -35,6 +35,13 @@ class LayerHandle {
   /// pass's items (a layer applied several times in one forward queues one item per application).
   /// Throws c10::Error naming the layer if nothing is pending.
   void backward_dw();
+  /// The backward passes (autograd graph tasks) that have work queued for this layer, oldest
+  /// first. A pipeline stage diffs this before and after its B step to learn which pass that was.
+  std::vector<int64_t> pending_passes() const;
+  /// Runs this layer's deferred wgrad queued by backward pass `pass` (one of pending_passes()),
+  /// whatever is older: a pipeline's W step for the micro-batch the schedule names. Throws
+  /// c10::Error naming the layer and the pass if that pass queued nothing for it.
+  void backward_dw(int64_t pass);
 
  private:
   int64_t id_;

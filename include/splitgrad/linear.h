@@ -58,6 +58,11 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// Runs this layer's deferred wgrad for the oldest backward pass still pending. Does nothing for
   /// a layer built with delay_wgrad_compute=false; throws if a delayed layer has nothing pending.
   void backward_dw();
+  /// Runs this layer's deferred wgrad queued by backward pass `pass` (see pending_passes()):
+  /// a pipeline's W step for one named micro-batch. Does nothing for a regular layer.
+  void backward_dw(int64_t pass);
+  /// The backward passes with work queued for this layer, oldest first.
+  std::vector<int64_t> pending_passes() const;
   /// Deferred wgrad items queued for this layer.
   int64_t pending_wgrads() const;
 

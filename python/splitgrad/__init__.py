@@ -19,6 +19,16 @@ from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError
 from ._linear import Linear, name_layers
 from . import distributed  # splitgrad.distributed.GradReducer
 
+
+def __getattr__(name):
+    # splitgrad.pipelining imports torch.distributed.pipelining, which is heavy: load it on first use.
+    if name == "pipelining":
+        import importlib
+
+        return importlib.import_module(".pipelining", __name__)
+    raise AttributeError(f"module 'splitgrad' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -31,6 +41,7 @@ __all__ = [
     "get_pending_work_policy",
     "name_layers",
     "distributed",
+    "pipelining",
     "ArgumentError",
     "DTypeError",
     "MainGradError",

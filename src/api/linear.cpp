@@ -77,6 +77,12 @@ void LinearImpl::backward_dw() {
   if (options.delay_wgrad_compute()) layer_->backward_dw();
 }
 
+void LinearImpl::backward_dw(int64_t pass) {
+  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
+}
+
+std::vector<int64_t> LinearImpl::pending_passes() const { return layer_->pending_passes(); }
+
 int64_t LinearImpl::pending_wgrads() const { return layer_->pending(); }
 
 void LinearImpl::tie_weight(const torch::Tensor& new_weight) {

@@ -72,25 +72,55 @@ void WgradStore::push(DeferredWgrad item) {
 
 std::vector<DeferredWgrad> WgradStore::take_oldest_pass(LayerId layer) {
   std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<DeferredWgrad> taken;
   auto it = queues_.find(layer);
-  if (it == queues_.end() || it->second.items.empty()) return taken;
-  auto& queue = it->second.items;
-  const PassId pass = queue.front().pass;
-  auto count = it->second.per_pass.find(pass);
+  if (it == queues_.end() || it->second.items.empty()) return {};
+  return take_pass_locked(it->second, it->second.items.front().pass);
+}
+
+std::vector<DeferredWgrad> WgradStore::take_pass(LayerId layer, PassId pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = queues_.find(layer);
+  if (it == queues_.end()) return {};
+  return take_pass_locked(it->second, pass);
+}
+
+std::vector<DeferredWgrad> WgradStore::take_pass_locked(LayerQueue& queue, PassId pass) {
+  std::vector<DeferredWgrad> taken;
+  auto count = queue.per_pass.find(pass);
+  if (count == queue.per_pass.end()) return taken;
   const size_t in_pass = count->second;
-  it->second.per_pass.erase(count);
-  auto end = queue.begin();
-  while (end != queue.end() && end->pass == pass) ++end;
-  if (static_cast<size_t>(end - queue.begin()) != in_pass) {
-    // Concurrent backward passes interleaved their items: gather this pass's from the whole queue.
-    end = std::stable_partition(queue.begin(), queue.end(),
-                                [&](const DeferredWgrad& item) { return item.pass == pass; });
+  queue.per_pass.erase(count);
+  auto& items = queue.items;
+  auto first = items.begin();
+  if (first->pass != pass) {
+    first = std::find_if(items.begin(), items.end(),
+                         [&](const DeferredWgrad& item) { return item.pass == pass; });
   }
-  taken.assign(std::make_move_iterator(queue.begin()), std::make_move_iterator(end));
-  queue.erase(queue.begin(), end);
+  auto last = first;
+  while (last != items.end() && last->pass == pass) ++last;
+  if (static_cast<size_t>(last - first) != in_pass) {
+    // Concurrent backward passes interleaved their items: gather this pass's from the rest.
+    last = std::stable_partition(first, items.end(),
+                                 [&](const DeferredWgrad& item) { return item.pass == pass; });
+  }
+  taken.assign(std::make_move_iterator(first), std::make_move_iterator(last));
+  items.erase(first, last);
   pending_ -= taken.size();
   return taken;
+}
+
+std::vector<PassId> WgradStore::pending_passes(LayerId layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<PassId> passes;
+  auto it = queues_.find(layer);
+  if (it == queues_.end()) return passes;
+  passes.reserve(it->second.per_pass.size());
+  for (const auto& item : it->second.items) {
+    if (passes.size() == it->second.per_pass.size()) break;
+    if (std::find(passes.begin(), passes.end(), item.pass) == passes.end())
+      passes.push_back(item.pass);
+  }
+  return passes;
 }
 
 std::vector<DeferredWgrad> WgradStore::take_all() {

@@ -59,6 +59,10 @@ class WgradStore {
   /// Takes the layer's items of the oldest pass it has pending (all of them: a layer applied
   /// several times in one forward queues several items in one pass). Empty if the layer has none.
   std::vector<DeferredWgrad> take_oldest_pass(LayerId layer);
+  /// Takes the layer's items queued by `pass` (all of them). Empty if that pass queued none.
+  std::vector<DeferredWgrad> take_pass(LayerId layer, PassId pass);
+  /// The passes that have items queued for the layer, oldest first (by their first item).
+  std::vector<PassId> pending_passes(LayerId layer) const;
   /// Takes every queued item, oldest first.
   std::vector<DeferredWgrad> take_all();
   /// Puts items taken earlier back in place (same order as before they were taken).
@@ -81,6 +85,7 @@ class WgradStore {
     std::deque<DeferredWgrad> items;              // in queue order
     std::unordered_map<PassId, size_t> per_pass;  // items per pass, so a take is O(its items)
   };
+  std::vector<DeferredWgrad> take_pass_locked(LayerQueue& queue, PassId pass);  // requires mutex_
   std::map<LayerId, LayerQueue> queues_;
 };
 

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -217,6 +218,19 @@ void LayerHandle::backward_dw() {
               ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
               "this layer (run a backward pass through it first, or check that it was built with "
               "delay_wgrad_compute=True)");
+  run(std::move(items));
+}
+
+std::vector<int64_t> LayerHandle::pending_passes() const {
+  return WgradStore::instance().pending_passes(id_);
+}
+
+void LayerHandle::backward_dw(int64_t pass) {
+  std::vector<DeferredWgrad> items = WgradStore::instance().take_pass(id_, pass);
+  TORCH_CHECK(!items.empty(), detail::layer_label(id_), ": backward_dw(pass=", pass,
+              ") was called but that backward pass has no deferred wgrad work queued for this "
+              "layer (passes pending: ",
+              c10::Join(", ", pending_passes()), ")");
   run(std::move(items));
 }
 

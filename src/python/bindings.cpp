@@ -66,6 +66,15 @@ PYBIND11_MODULE(_C, m) {
              self.backward_dw();
              END_HANDLE_TH_ERRORS_PYBIND
            })
+      .def("pending_passes", &splitgrad::LayerHandle::pending_passes)
+      .def(
+          "backward_dw_pass",
+          [](splitgrad::LayerHandle& self, int64_t pass) {
+            HANDLE_TH_ERRORS
+            self.backward_dw(pass);
+            END_HANDLE_TH_ERRORS_PYBIND
+          },
+          py::arg("pass_id"))
       // A copied layer is a new layer: it gets its own registration (and no pending work).
       .def("__deepcopy__",
            [](const splitgrad::LayerHandle& self, py::dict) {

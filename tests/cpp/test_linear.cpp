@@ -465,6 +465,35 @@ TEST_F(LinearTest, ExistingGradWithReuseAndMicroBatches) {
   EXPECT_TRUE(Close(fc->bias.grad(), b_ref.grad(), kReassocRtol, kReassocAtol));
 }
 
+TEST_F(LinearTest, BackwardDwOfANamedPassInAnyOrder) {
+  // A pipeline's W steps name their micro-batch: run the newer pass first, then the older one.
+  Linear fc(opts(16, 16).delay_wgrad_compute(true));
+  torch::Tensor w_ref = ref_param(fc->weight);
+  torch::Tensor b_ref = ref_param(fc->bias);
+  std::vector<torch::Tensor> xs = {torch::randn({5, 16}), torch::randn({7, 16})};
+  for (const auto& x : xs) fc(x).square().sum().backward();
+  const std::vector<int64_t> passes = fc->pending_passes();
+  ASSERT_EQ(passes.size(), 2u);
+  EXPECT_NE(passes[0], passes[1]);
+  fc->backward_dw(passes[1]);
+  EXPECT_EQ(fc->pending_passes(), std::vector<int64_t>({passes[0]}));
+  // the newer micro-batch's gradient alone, bit for bit
+  F::linear(xs[1], w_ref, b_ref).square().sum().backward();
+  EXPECT_TRUE(Bitwise(fc->weight.grad(), w_ref.grad()));
+  EXPECT_TRUE(Bitwise(fc->bias.grad(), b_ref.grad()));
+
+  std::string msg = error_message([&] { fc->backward_dw(passes[1]); });
+  EXPECT_CONTAINS(msg, "backward_dw(pass=" + std::to_string(passes[1]) + ")");
+  EXPECT_CONTAINS(msg, "passes pending: " + std::to_string(passes[0]));
+  EXPECT_EQ(fc->pending_wgrads(), 1) << "a failed call takes nothing";
+
+  fc->backward_dw(passes[0]);
+  F::linear(xs[0], w_ref, b_ref).square().sum().backward();
+  EXPECT_TRUE(Close(fc->weight.grad(), w_ref.grad(), kReassocRtol, kReassocAtol));
+  EXPECT_TRUE(Close(fc->bias.grad(), b_ref.grad(), kReassocRtol, kReassocAtol));
+  EXPECT_TRUE(fc->pending_passes().empty());
+}
+
 TEST_F(LinearTest, RetainedGraphBackwardTwice) {
   // Two backward passes over one graph queue one item each.
   Linear fc(opts(16, 8).delay_wgrad_compute(true));

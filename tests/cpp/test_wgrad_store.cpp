@@ -151,6 +151,28 @@ TEST_F(WgradStoreTest, TakeOldestPassWithPassesInterleaved) {
   EXPECT_EQ(store().pending(), 0u);
 }
 
+TEST_F(WgradStoreTest, TakePassTakesThatPassWhateverIsOlder) {
+  // A pipeline's W step names its micro-batch's pass, which need not be the oldest.
+  constexpr PassId kPass2 = 1'000'102;
+  const LayerId a = layer("fc_named_pass");
+  store().push(item(a, kPass0, 1, weight_));
+  store().push(item(a, kPass1, 2, weight_));
+  store().push(item(a, kPass2, 3, weight_));
+  store().push(item(a, kPass1, 4, weight_));  // interleaved with the newer pass
+  EXPECT_EQ(store().pending_passes(a), std::vector<PassId>({kPass0, kPass1, kPass2}));
+  EXPECT_EQ(tags(store().take_pass(a, kPass1)), std::vector<int>({2, 4}));
+  EXPECT_EQ(store().pending(a), 2u);
+  EXPECT_EQ(store().pending(), 2u);
+  EXPECT_EQ(store().pending_passes(a), std::vector<PassId>({kPass0, kPass2}));
+  EXPECT_TRUE(store().take_pass(a, kPass1).empty()) << "a pass is taken once";
+  EXPECT_TRUE(store().take_pass(a, 424242).empty()) << "an unknown pass has nothing";
+  EXPECT_TRUE(store().take_pass(12345678, kPass0).empty()) << "an unknown layer has nothing";
+  EXPECT_EQ(tags(store().take_pass(a, kPass2)), std::vector<int>({3}));
+  EXPECT_EQ(tags(store().take_oldest_pass(a)), std::vector<int>({1}));
+  EXPECT_TRUE(store().pending_passes(a).empty());
+  EXPECT_EQ(store().pending(), 0u);
+}
+
 TEST_F(WgradStoreTest, TakeAllIsGloballyOldestFirst) {
   const LayerId a = layer("fc_a");
   const LayerId b = layer("fc_b");
