@@ -1,163 +1,258 @@
-"""splitgrad's main job: train a small language model with deferred weight gradients, side by side
-with the same model trained by plain PyTorch autograd, and show that the gradients agree.
+"""splitgrad's main job: zero-bubble pipeline training of a small GPT-style language model on
+torch.distributed.pipelining, checked against plain autograd.
 
-The model is a tiny GPT-style character model: a token embedding tied to the output layer (as in GPT
-models: one Parameter, two users), causal self-attention and MLP blocks whose projections are
-splitgrad.Linear layers with delay_wgrad_compute=True. Each step runs several micro-batches in a
-zero-bubble-like order (F0 B0 F1 W0 B1 W1 ...): the weight gradients of micro-batch i are computed by
-backward_dw() only after the backward pass of micro-batch i+1.
+One process per pipeline stage (gloo on the CPU by default, NCCL with --device cuda). The model's
+projections are splitgrad.Linear layers with delay_wgrad_compute=True, so a schedule's B step
+computes only input gradients and its W step runs the deferred weight gradients
+(splitgrad.pipelining.PipelineStage). The token embedding on the first stage is tied to the output
+layer on the last: each holds a copy, and the copies' gradients are summed after the W steps
+(splitgrad.pipelining.TiedParameter).
 
-    python examples/demo.py [--steps 150] [--micro-batches 4] [--device cpu|cuda] [--dtype float32]
+At the end the job prints and checks that the parameters equal those of a single-process
+plain-autograd run of the same model on the same data, measures each rank's F / B / W intervals,
+prints the bubble fraction of the chosen schedule next to 1F1B's (or --compare's), and writes a
+timeline PNG and a loss-curve PNG.
+
+    python examples/demo.py [--stages 2] [--schedule zb1p] [--compare 1f1b] [--steps 60]
+                            [--micro-batches 8] [--device cpu|cuda] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import math
 import os
+import statistics
+import sys
+import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed import pipelining
 from tqdm import tqdm
 
 import splitgrad
+import splitgrad.pipelining as sgp
 
-CORPUS = """\
-the quick brown fox jumps over the lazy dog. a small model learns the shape of its text one
-character at a time. weights that are tied share one gradient, and every user of a weight must add
-its part: the embedding that reads a token and the output layer that writes it. when the weight
-gradient is deferred, the input gradient runs first so the previous stage can go on, and the weight
-gradient runs later to fill the bubbles of the pipeline. deferred or not, the sum must be the same.
-"""
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tinygpt  # noqa: E402  (examples/tinygpt.py)
 
-
-class Tokenizer:
-    """Characters to ids and back."""
-
-    def __init__(self, text: str) -> None:
-        self.chars = sorted(set(text))
-        self.index = {c: i for i, c in enumerate(self.chars)}
-
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor([self.index[c] for c in text], dtype=torch.long)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.chars)
+#: --schedule name -> (torch schedule class, stages per rank, stage placement, label)
+SCHEDULES = {
+    "zb1p": (pipelining.ScheduleInterleavedZeroBubble, 1, "loop", "ZB1P (zero bubble)"),
+    "zbv": (pipelining.ScheduleZBVZeroBubble, 2, "v", "ZB-V (zero bubble)"),
+    "dualpipev": (pipelining.ScheduleDualPipeV, 2, "v", "DualPipeV"),
+    "interleaved-zb": (pipelining.ScheduleInterleavedZeroBubble, 2, "loop", "interleaved ZB1P"),
+    "1f1b": (pipelining.Schedule1F1B, 1, "loop", "1F1B"),
+    "gpipe": (pipelining.ScheduleGPipe, 1, "loop", "GPipe"),
+    "interleaved-1f1b": (pipelining.ScheduleInterleaved1F1B, 2, "loop", "interleaved 1F1B"),
+}
+SINGLE_STAGE_CLASSES = (pipelining.Schedule1F1B, pipelining.ScheduleGPipe)
 
 
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP; `linear` builds every projection."""
-
-    def __init__(self, dim: int, heads: int, linear) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = linear(dim, 3 * dim)
-        self.proj = linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.fc1 = linear(dim, 4 * dim)
-        self.fc2 = linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+def theoretical_bubble(name: str, ranks: int, micro_batches: int) -> float | None:
+    """The bubble fraction with equal F, B and W times t: 1F1B and GPipe idle (p-1)·3t of
+    (m+p-1)·3t; ZB-H1, which ZB1P with one stage per rank follows, a third of that idle time."""
+    p, m = ranks, micro_batches
+    if name in ("1f1b", "gpipe"):
+        return (p - 1) / (m + p - 1)
+    if name == "zb1p":
+        return (p - 1) / (3 * m + p - 1)
+    return None
 
 
-class TinyGPT(nn.Module):
-    def __init__(self, vocab: int, dim: int, heads: int, layers: int, context: int, linear) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        nn.init.normal_(self.embed.weight, std=0.02)  # GPT's init: the tied output layer starts small
-        self.pos = nn.Parameter(torch.zeros(context, dim))
-        self.blocks = nn.ModuleList(Block(dim, heads, linear) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.head = linear(dim, vocab, bias=False)
-        self.head.weight = self.embed.weight  # tied: one Parameter, two users
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
+# ------------------------------------------------------------------------------------------------
+# One pipeline rank
+# ------------------------------------------------------------------------------------------------
 
 
-def build_models(args, vocab: int):
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+def model_shape(args, vocab: int) -> dict:
+    return dict(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, context=args.context,
+                seed=args.seed)
+
+
+def train_pipeline(rank: int, world: int, name: str, steps: int, args, data, vocab, device, dtype):
+    """Trains ``steps`` steps under schedule ``name`` on this rank's stages. Returns this rank's
+    part of the results: final parameters, losses (last stage), intervals and step windows."""
+    cls, per_rank, style, label = SCHEDULES[name]
+    num_stages = world * per_rank
+    stages_of = lambda r: sgp.stages_of_rank(r, world, per_rank, style)  # noqa: E731
+    mine = stages_of(rank)
 
     def delayed_linear(i, o, bias=True):
         return splitgrad.Linear(i, o, bias, params_dtype=dtype, device=device, delay_wgrad_compute=True)
 
+    pieces = tinygpt.build_pieces(delayed_linear, **model_shape(args, vocab), device=device, dtype=dtype)
+    modules = {s: tinygpt.stage_module(pieces, s, num_stages) for s in mine}
+    for s, module in modules.items():
+        splitgrad.name_layers(module, prefix=f"stage{s}")
+    stages = [sgp.PipelineStage(modules[s], s, num_stages, device) for s in mine]
+    copies = [modules[0].get_submodule("0").tokens.weight] if 0 in modules else []
+    if num_stages - 1 in modules:
+        copies.append(modules[num_stages - 1].get_submodule(str(len(pieces) - 1)).out.weight)
+    first_rank = next(r for r in range(world) if 0 in stages_of(r))
+    last_rank = next(r for r in range(world) if num_stages - 1 in stages_of(r))
+    tied = sgp.TiedParameter(copies, ranks=[first_rank, last_rank])
+    schedule = cls(stages[0] if cls in SINGLE_STAGE_CLASSES else stages,
+                   n_microbatches=args.micro_batches, loss_fn=tinygpt.lm_loss)
+    timeline = sgp.StageTimeline(device)
+    for stage in stages:
+        stage.timeline = timeline
+    params = [p for m in modules.values() for p in m.parameters()]
+    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
+
+    has_first, has_last = 0 in modules, num_stages - 1 in modules
+    losses, windows, marks = [], [], []
+    show = has_last and rank == last_rank and not args.quiet
+    progress = tqdm(range(steps), desc=f"{label:>18} ({world} ranks)", unit="step", disable=not show,
+                    mininterval=0.5)
+    for step in progress:
+        ids, targets = tinygpt.batch(data, step, args.micro_batches * args.batch, args.context, args.seed)
+        ids, targets = ids.to(device), targets.to(device)
+        step_losses = [] if has_last else None
+        marks.append(len(timeline.intervals))
+        start = time.perf_counter()
+        schedule.step(*((ids,) if has_first else ()), target=targets if has_last else None,
+                      losses=step_losses)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        windows.append((start, time.perf_counter()))
+        tied.sync_grads()  # both copies of the tied embedding get the whole gradient
+        optimizer.step()
+        optimizer.zero_grad()
+        if has_last:
+            loss = torch.stack(step_losses).mean().item()
+            losses.append(loss)
+            progress.set_postfix(loss=f"{loss:.4f}")
+    if splitgrad.pending_wgrads():
+        raise RuntimeError(f"rank {rank}: deferred work left after training: {splitgrad.layers_with_pending_wgrads()}")
+    marks.append(len(timeline.intervals))
+    state = {n: p.detach().float().cpu() for m in modules.values() for n, p in m.named_parameters()}
+    intervals = [[(i.stage, i.kind, i.microbatch, i.start, i.end) for i in timeline.intervals[a:b]]
+                 for a, b in zip(marks[:-1], marks[1:])]
+    return {"params": state, "losses": losses if has_last else None, "intervals": intervals,
+            "windows": windows}
+
+
+def worker(rank: int, world: int, args, out_dir: str) -> None:
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(out_dir, 'init')}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300),
+                            device_id=device if backend == "nccl" else None)
+    try:
+        tokenizer, data = tinygpt.load_corpus()
+        vocab = tokenizer.vocab_size
+        dtype = getattr(torch, args.dtype)
+        runs = {}
+        for name, steps in [(args.schedule, args.steps)] + [(c, args.timing_steps) for c in args.compare]:
+            runs[name] = train_pipeline(rank, world, name, steps, args, data, vocab, device, dtype)
+            dist.barrier()
+        gathered = [None] * world if rank == 0 else None
+        dist.gather_object(runs, gathered, dst=0)
+        if rank == 0:
+            torch.save(gathered, os.path.join(out_dir, "result.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference, the measurements and the report (in the launching process)
+# ------------------------------------------------------------------------------------------------
+
+
+def reference_run(args, data, vocab, device, dtype):
+    """The same model in plain autograd in one process, on the same micro-batches, same optimizer."""
+
     def plain_linear(i, o, bias=True):
-        return nn.Linear(i, o, bias, dtype=dtype, device=device)
+        return nn.Linear(i, o, bias, device=device, dtype=dtype)
 
-    torch.manual_seed(args.seed)
-    shape = dict(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, context=args.context)
-    model = TinyGPT(**shape, linear=delayed_linear).to(device=device, dtype=dtype)
-    reference = TinyGPT(**shape, linear=plain_linear).to(device=device, dtype=dtype)
-    reference.load_state_dict(model.state_dict())
-    splitgrad.name_layers(model)
-    return model, reference
-
-
-def batches(data: torch.Tensor, args, generator: torch.Generator):
-    """`micro_batches` random windows of `context + 1` characters each."""
-    starts = torch.randint(0, len(data) - args.context - 1, (args.micro_batches, args.batch), generator=generator)
-    for row in starts:
-        window = torch.stack([data[s : s + args.context + 1] for s in row.tolist()])
-        yield window[:, :-1].to(args.device), window[:, 1:].to(args.device)
-
-
-def loss_of(model, inputs, targets) -> torch.Tensor:
-    logits = model(inputs)
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    pieces = tinygpt.build_pieces(plain_linear, **model_shape(args, vocab), device=device, dtype=dtype)
+    tinygpt.tie(pieces)
+    model = nn.Sequential(*pieces)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    losses = []
+    for step in tqdm(range(args.steps), desc="    plain autograd (1 process)", unit="step",
+                     disable=args.quiet, mininterval=0.5):
+        ids, targets = tinygpt.batch(data, step, args.micro_batches * args.batch, args.context, args.seed)
+        total = 0.0
+        for mb_ids, mb_targets in zip(ids.to(device).chunk(args.micro_batches),
+                                      targets.to(device).chunk(args.micro_batches)):
+            loss = tinygpt.lm_loss(model(mb_ids), mb_targets)
+            (loss / args.micro_batches).backward()
+            total += loss.item() / args.micro_batches
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return dict(model.named_parameters(remove_duplicate=False)), losses
 
 
-def deferred_layers(model) -> list[splitgrad.Linear]:
-    return [m for m in model.modules() if isinstance(m, splitgrad.Linear) and m.delay_wgrad_compute]
+def schedule_stats(per_rank_runs, name, args, world):
+    """Median step time and bubble fraction over the steps after the first (shape inference and
+    warm-up), from every rank's intervals and step windows."""
+    runs = [r[name] for r in per_rank_runs]
+    steps = len(runs[0]["windows"])
+    measured = range(1, steps) if steps > 1 else range(steps)
+    bubbles, times = [], []
+    for step in measured:
+        window = (min(r["windows"][step][0] for r in runs), max(r["windows"][step][1] for r in runs))
+        intervals = [[sgp.Interval(*i) for i in r["intervals"][step]] for r in runs]
+        bubbles.append(sgp.bubble_fraction(intervals, window))
+        times.append(window[1] - window[0])
+    step_time = statistics.median(times)
+    tokens = args.micro_batches * args.batch * args.context
+    return {"bubble": statistics.median(bubbles), "step_ms": 1e3 * step_time, "tokens_per_s": tokens / step_time,
+            "theory": theoretical_bubble(name, world, args.micro_batches)}
 
 
-def train_step(model, reference, micro_batches, layers) -> tuple[float, float]:
-    """One step. splitgrad: F0 B0 F1 W0 B1 W1 ... (W = backward_dw of every layer, last layer first).
-    Reference: plain autograd over the same micro-batches."""
-    total, reference_total = 0.0, 0.0
-    scale = 1.0 / len(micro_batches)
-    for i, (inputs, targets) in enumerate(micro_batches):
-        loss = loss_of(model, inputs, targets)
-        (loss * scale).backward()  # B_i: dgrad only for the splitgrad layers
-        total += loss.item() * scale
-        if i > 0:
-            for layer in reversed(layers):  # W_{i-1}: fills the slot a pipeline bubble would take
-                layer.backward_dw()
-        reference_loss = loss_of(reference, inputs, targets)
-        (reference_loss * scale).backward()
-        reference_total += reference_loss.item() * scale
-    for layer in reversed(layers):  # W of the last micro-batch
-        layer.backward_dw()
-    assert splitgrad.pending_wgrads() == 0
-    return total, reference_total
+def write_timeline_plot(path, per_rank_runs, names, world) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    colours = {"F": "#4c72b0", "B": "#55a868", "W": "#dd8452"}
+    fig, axes = plt.subplots(len(names), 1, figsize=(11, 1.0 + 0.7 * world * len(names)), squeeze=False)
+    for ax, name in zip(axes[:, 0], names):
+        runs = [r[name] for r in per_rank_runs]
+        step = len(runs[0]["windows"]) - 1  # the last step
+        origin = min(r["windows"][step][0] for r in runs)
+        for rank, run in enumerate(runs):
+            for stage, kind, mb, start, end in run["intervals"][step]:
+                nested = kind == "W" and any(k == "B" and s <= start and end <= e
+                                             for _, k, _, s, e in run["intervals"][step])
+                # a W run inside its full backward (no W actions in the schedule): the B bar's lower half
+                y, h = (rank, 0.4) if nested else (rank - 0.4, 0.8)
+                ax.broken_barh([(1e3 * (start - origin), 1e3 * (end - start))], (y, h),
+                               facecolors=colours[kind], edgecolor="white", linewidth=0.3,
+                               zorder=3 if nested else 2)
+                if end - start > 0 and not nested:
+                    ax.text(1e3 * (start + end) / 2 - 1e3 * origin, rank, str(mb), ha="center", va="center",
+                            fontsize=6, color="white")
+        ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
+        ax.invert_yaxis()
+        ax.set_title(f"{SCHEDULES[name][3]}: the last step", fontsize=9)
+        ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    fig.legend(handles, ["F (forward)", "B (input grad)", "W (deferred weight grad)"], loc="upper right",
+               fontsize=8, ncol=3)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
-def compare_grads(model, reference) -> tuple[float, str]:
-    """Largest |gradient difference| over all parameters, and how many gradients are bit-identical."""
-    worst, exact, total = 0.0, 0, 0
-    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-        if (p.grad is None) != (q.grad is None):
-            raise AssertionError(f"{name}: gradient present in one model only")
-        if p.grad is not None:
-            total += 1
-            exact += int(torch.equal(p.grad, q.grad))
-            worst = max(worst, (p.grad.float() - q.grad.float()).abs().max().item())
-    return worst, f"{exact}/{total}"
-
-
-def write_loss_plot(path: str, losses: list[float], reference_losses: list[float]) -> bool:
+def write_loss_plot(path, losses, reference_losses, label) -> bool:
     try:
         import matplotlib
 
@@ -167,11 +262,11 @@ def write_loss_plot(path: str, losses: list[float], reference_losses: list[float
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps = range(1, len(losses) + 1)
-    ax.plot(steps, reference_losses, label="plain autograd", linewidth=3, alpha=0.5)
-    ax.plot(steps, losses, label="splitgrad, delayed wgrad", linestyle="--")
+    ax.plot(steps, reference_losses, label="plain autograd, 1 process", linewidth=3, alpha=0.5)
+    ax.plot(steps, losses, label=f"splitgrad, {label}", linestyle="--")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("Tied-embedding language model: deferred vs plain gradients")
+    ax.set_title("Tied-embedding GPT: pipelined deferred wgrad vs plain autograd")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -181,74 +276,105 @@ def write_loss_plot(path: str, losses: list[float], reference_losses: list[float
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
-    parser.add_argument("--context", type=int, default=32)
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--stages", type=int, default=2, help="pipeline ranks (processes), default 2")
+    parser.add_argument("--schedule", default="zb1p", choices=sorted(SCHEDULES))
+    parser.add_argument("--compare", default="1f1b",
+                        help="comma-separated schedules whose bubble is measured next to it ('' for none)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps of --schedule")
+    parser.add_argument("--timing-steps", type=int, default=10, help="steps of each --compare schedule")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.3)
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tolerance", type=float, default=None, help="largest gradient difference accepted")
-    parser.add_argument("--out", default="out", help="folder for the loss-curve PNG")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="largest parameter difference accepted (default 1e-5 in float32, 5e-2 otherwise)")
+    parser.add_argument("--out", default="out", help="folder for the PNGs")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    if args.micro_batches < 1 or args.steps < 1:
-        parser.error("--steps and --micro-batches must be at least 1")
+    args.compare = [c for c in args.compare.split(",") if c and c != args.schedule]
+    for name in args.compare:
+        if name not in SCHEDULES:
+            parser.error(f"--compare: unknown schedule {name!r} (choose from {sorted(SCHEDULES)})")
+    if args.steps < 1 or args.timing_steps < 1 or args.micro_batches < 1 or args.stages < 2:
+        parser.error("--steps, --timing-steps and --micro-batches must be at least 1, --stages at least 2")
+    if args.device == "cuda" and torch.cuda.device_count() < args.stages:
+        parser.error(f"--device cuda needs {args.stages} GPUs, {torch.cuda.device_count()} are visible")
+    for name in [args.schedule, *args.compare]:
+        if args.stages * SCHEDULES[name][1] > args.layers:
+            parser.error(f"{name} on {args.stages} ranks has {args.stages * SCHEDULES[name][1]} stages: "
+                         f"--layers must be at least that")
     tolerance = args.tolerance if args.tolerance is not None else (1e-5 if args.dtype == "float32" else 5e-2)
+    world = args.stages
+    tokenizer, data = tinygpt.load_corpus()
+    dtype = getattr(torch, args.dtype)
 
-    tokenizer = Tokenizer(CORPUS)
-    data = tokenizer.encode(CORPUS)
-    model, reference = build_models(args, tokenizer.vocab_size)
-    layers = deferred_layers(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    generator = torch.Generator().manual_seed(args.seed)
+    label = SCHEDULES[args.schedule][3]
+    print(f"splitgrad main job: {label} on {world} processes ({'NCCL' if args.device == 'cuda' else 'gloo'}), "
+          f"{args.layers} blocks of delayed splitgrad.Linear, embedding tied to the output layer across stages, "
+          f"{args.micro_batches} micro-batches x {args.batch} x {args.context} tokens, {args.device}, {args.dtype}")
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(worker, args=(world, args, tmp), nprocs=world, join=True)
+        per_rank_runs = torch.load(os.path.join(tmp, "result.pt"), weights_only=False)
 
-    print(
-        f"splitgrad demo: {sum(p.numel() for p in model.parameters()):,} parameters, "
-        f"{len(layers)} delayed splitgrad.Linear layers (output layer tied to the embedding), "
-        f"{args.micro_batches} micro-batches per step, {args.device}, {args.dtype}"
-    )
-    rows = []
-    losses, reference_losses = [], []
-    start = time.perf_counter()
-    progress = tqdm(range(1, args.steps + 1), desc="training", unit="step", mininterval=0.5)
-    for step in progress:
-        micro_batches = list(batches(data, args, generator))
-        # Lockstep: the reference starts every step from splitgrad's parameters, so the difference
-        # measures this step's gradients alone (chaotic training would amplify last-bit differences).
-        reference.load_state_dict(model.state_dict())
-        optimizer.zero_grad()
-        reference.zero_grad()
-        loss, reference_loss = train_step(model, reference, micro_batches, layers)
-        grad_difference, exact = compare_grads(model, reference)
-        optimizer.step()
-        losses.append(loss)
-        reference_losses.append(reference_loss)
-        rows.append((step, loss, reference_loss, grad_difference, exact))
-        progress.set_postfix(loss=f"{loss:.4f}", max_grad_diff=f"{grad_difference:.2e}")
-    elapsed = time.perf_counter() - start
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    reference, reference_losses = reference_run(args, data, tokenizer.vocab_size, device, dtype)
+    main_runs = [r[args.schedule] for r in per_rank_runs]
+    losses = next(r["losses"] for r in main_runs if r["losses"] is not None)
+    params = {}
+    for run in main_runs:
+        params.update(run["params"])
+    worst, worst_name = 0.0, ""
+    for name, value in params.items():
+        difference = (value - reference[name].detach().float().cpu()).abs().max().item()
+        if difference > worst or not math.isfinite(difference):
+            worst, worst_name = difference, name
+    embedding, output = "0.tokens.weight", f"{args.layers + 1}.out.weight"
+    copies_equal = torch.equal(params[embedding], params[output])
+    loss_difference = max(abs(a - b) for a, b in zip(losses, reference_losses))
 
-    interval = max(1, args.steps // 10)
-    shown = {1, *range(interval, args.steps + 1, interval), args.steps}
     print()
-    header = f"{'step':>5} | {'loss (splitgrad)':>16} | {'loss (autograd)':>15} | {'max |grad diff|':>15} | {'bit-exact grads':>15}"
+    header = f"{'':>30} | {'loss, step 1':>12} | {f'loss, step {args.steps}':>13}"
     print(header)
     print("-" * len(header))
-    for step, loss, reference_loss, grad_difference, exact in rows:
-        if step in shown:
-            print(f"{step:>5} | {loss:>16.5f} | {reference_loss:>15.5f} | {grad_difference:>15.2e} | {exact:>15}")
-    worst_grad = max(r[3] for r in rows)
+    print(f"{'splitgrad, ' + label:>30} | {losses[0]:>12.5f} | {losses[-1]:>13.5f}")
+    print(f"{'plain autograd, 1 process':>30} | {reference_losses[0]:>12.5f} | {reference_losses[-1]:>13.5f}")
+    print()
+    print(f"parameters after {args.steps} steps vs plain autograd: largest difference {worst:.2e} "
+          f"({worst_name}; tolerance {tolerance:.0e}); largest loss difference {loss_difference:.2e}")
+    print(f"tied embedding: the copies on the first and the last stage are "
+          f"{'bit-identical' if copies_equal else 'DIFFERENT'}")
+
+    print()
+    header = (f"{'schedule':>18} | {'stages/rank':>11} | {'step (ms)':>9} | {'tokens/s':>9} | "
+              f"{'bubble, measured':>16} | {'bubble, theory F=B=W':>20}")
+    print(header)
     print("-" * len(header))
-    print(f"loss {rows[0][1]:.4f} -> {rows[-1][1]:.4f} in {args.steps} steps ({elapsed:.1f} s)")
-    print(f"largest gradient difference vs plain autograd over all steps: {worst_grad:.2e} (tolerance {tolerance:.0e})")
+    stats = {}
+    for name in [args.schedule, *args.compare]:
+        s = stats[name] = schedule_stats(per_rank_runs, name, args, world)
+        theory = f"{s['theory']:.1%}" if s["theory"] is not None else "-"
+        print(f"{SCHEDULES[name][3]:>18} | {SCHEDULES[name][1]:>11} | {s['step_ms']:>9.1f} | "
+              f"{s['tokens_per_s']:>9.0f} | {s['bubble']:>16.1%} | {theory:>20}")
+    for name in args.compare:
+        ratio = stats[args.schedule]["bubble"] / stats[name]["bubble"] if stats[name]["bubble"] > 0 else float("nan")
+        speed = stats[name]["step_ms"] / stats[args.schedule]["step_ms"]
+        print(f"{label} vs {SCHEDULES[name][3]}: bubble x{ratio:.2f}, throughput x{speed:.2f}")
+    print("(bubble: the share of the ranks' step time with no F, B or W running; median over the steps after the first)")
+
     os.makedirs(args.out, exist_ok=True)
-    plot = os.path.join(args.out, "demo_loss.png")
-    if write_loss_plot(plot, losses, reference_losses):
-        print(f"loss curve: {plot}")
-    ok = worst_grad <= tolerance and math.isfinite(rows[-1][1])
+    timeline_png = os.path.join(args.out, "demo_timeline.png")
+    loss_png = os.path.join(args.out, "demo_loss.png")
+    if write_timeline_plot(timeline_png, per_rank_runs, [args.schedule, *args.compare], world):
+        print(f"timeline: {timeline_png}")
+    if write_loss_plot(loss_png, losses, reference_losses, label):
+        print(f"loss curve: {loss_png}")
+    ok = worst <= tolerance and copies_equal and math.isfinite(losses[-1])
     print("PARITY OK" if ok else "PARITY FAILED")
     return 0 if ok else 1
 

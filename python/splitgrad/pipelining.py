@@ -36,7 +36,26 @@ from torch.distributed import pipelining as _pipelining
 from ._errors import PendingWgradError
 from ._linear import Linear
 
-__all__ = ["PipelineStage", "TiedParameter", "StageTimeline", "Interval", "busy_time", "bubble_fraction"]
+__all__ = ["PipelineStage", "TiedParameter", "StageTimeline", "Interval", "busy_time", "bubble_fraction",
+           "stages_of_rank"]
+
+
+def stages_of_rank(rank: int, world: int, stages_per_rank: int = 1, style: str = "loop") -> list[int]:
+    """The stage indices that ``rank`` of a ``world``-rank pipeline holds, as torch's schedules
+    place them: ``"loop"`` (stage ``s`` on rank ``s % world``: GPipe, 1F1B, interleaved 1F1B,
+    looped BFS, interleaved zero bubble) or ``"v"`` (two stages per rank, rank ``r`` holding ``r``
+    and ``2·world - 1 - r``: ZB-V, DualPipeV)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"stages_of_rank: expected 0 <= rank < world, got rank {rank}, world {world}")
+    if style == "v":
+        if stages_per_rank != 2:
+            raise ValueError(f"stages_of_rank: the 'v' style has 2 stages per rank, got {stages_per_rank}")
+        return [rank, 2 * world - 1 - rank]
+    if style != "loop":
+        raise ValueError(f"stages_of_rank: expected style 'loop' or 'v', got {style!r}")
+    if stages_per_rank < 1:
+        raise ValueError(f"stages_of_rank: expected stages_per_rank >= 1, got {stages_per_rank}")
+    return [rank + k * world for k in range(stages_per_rank)]
 
 
 def _gradient_of(param: torch.Tensor) -> torch.Tensor | None:

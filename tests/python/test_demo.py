@@ -1,36 +1,52 @@
-"""The main job (examples/demo.py) end to end, in a short configuration: it must report parity with
-plain autograd and write its loss-curve PNG."""
+"""The main job (examples/demo.py) end to end, in a short configuration: two pipeline processes over
+gloo, a zero-bubble schedule next to 1F1B. It must report parity with plain autograd, print the
+bubble table and write its timeline and loss-curve PNGs; and its parity check must be able to fail."""
 
-import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 DEMO = pathlib.Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+SHORT = ["--steps", "3", "--timing-steps", "2", "--micro-batches", "4", "--batch", "2", "--context", "16",
+         "--dim", "32", "--layers", "4", "--quiet"]
+PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def load_demo():
-    spec = importlib.util.spec_from_file_location("splitgrad_demo", DEMO)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run_demo(*args, timeout=300):
+    done = subprocess.run([sys.executable, str(DEMO), *SHORT, *args], capture_output=True, text=True,
+                          timeout=timeout)
+    return done.returncode, done.stdout + done.stderr
 
 
-def test_demo_reports_parity_and_writes_the_plot(tmp_path, capsys):
-    pytest.importorskip("matplotlib", reason="the demo's loss curve needs matplotlib (installed by scripts/env.sh)")
-    demo = load_demo()
-    status = demo.main(["--steps", "4", "--micro-batches", "3", "--out", str(tmp_path)])
-    printed = capsys.readouterr().out
+@pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
+def test_demo_reports_parity_bubbles_and_writes_the_plots(tmp_path, schedule):
+    pytest.importorskip("matplotlib", reason="the demo's plots need matplotlib (installed by scripts/env.sh)")
+    status, printed = run_demo("--schedule", schedule, "--out", str(tmp_path))
     assert status == 0, printed
     assert "PARITY OK" in printed
-    assert "largest gradient difference vs plain autograd" in printed
-    png = tmp_path / "demo_loss.png"
-    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "parameters after 3 steps vs plain autograd: largest difference" in printed
+    assert "copies on the first and the last stage are bit-identical" in printed
+    assert "bubble, measured" in printed and "1F1B |" in printed
+    for name in ("demo_timeline.png", "demo_loss.png"):
+        png = tmp_path / name
+        assert png.exists() and png.read_bytes()[:8] == PNG, name
 
 
-def test_demo_fails_when_the_tolerance_is_impossible(tmp_path, capsys):
-    """The parity check can fail: with a negative tolerance no gradient difference passes."""
-    demo = load_demo()
-    status = demo.main(["--steps", "1", "--micro-batches", "2", "--tolerance", "-1", "--out", str(tmp_path)])
-    assert status == 1
-    assert "PARITY FAILED" in capsys.readouterr().out
+def test_demo_fails_when_the_tolerance_is_impossible(tmp_path):
+    """With a negative tolerance no parameter difference passes, so the job must exit 1."""
+    status, printed = run_demo("--steps", "1", "--compare", "", "--tolerance", "-1", "--out", str(tmp_path))
+    assert status == 1, printed
+    assert "PARITY FAILED" in printed
+
+
+def test_zero_bubble_example_script_trains_under_torchrun():
+    """examples/pipeline_zero_bubble.py, as the README runs it (torchrun, 2 processes, gloo)."""
+    example = DEMO.parent / "pipeline_zero_bubble.py"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(example)], capture_output=True, text=True, timeout=300)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed
+    losses = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, printed

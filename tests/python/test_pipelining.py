@@ -173,14 +173,6 @@ SCHEDULES = {
 SPLIT_SCHEDULES = ("ZB1P", "InterleavedZB1P", "ZBV", "DualPipeV")
 
 
-def stages_of_rank(rank, world, per_rank, placement):
-    if per_rank == 1:
-        return [rank]
-    if placement == "v":
-        return [rank, 2 * world - 1 - rank]
-    return [rank + k * world for k in range(per_rank)]
-
-
 def gradient_of(param):
     main_grad = getattr(param, "main_grad", None)
     return main_grad if main_grad is not None else param.grad
@@ -273,8 +265,10 @@ def build_pipeline(rank, world, name, fused=False):
     cls, per_rank, placement = SCHEDULES[name]
     num_stages = world * per_rank
     pieces = build_pieces(splitgrad_linear, fused)
-    my_stages = stages_of_rank(rank, world, per_rank, placement)
-    last_rank = next(r for r in range(world) if num_stages - 1 in stages_of_rank(r, world, per_rank, placement))
+    stages_of_rank = functools.partial(splitgrad.pipelining.stages_of_rank, world=world,
+                                       stages_per_rank=per_rank, style=placement)
+    my_stages = stages_of_rank(rank)
+    last_rank = next(r for r in range(world) if num_stages - 1 in stages_of_rank(r))
     modules = {s: stage_module(pieces, s, num_stages)[0] for s in my_stages}
     if fused:
         for module in modules.values():
@@ -535,6 +529,25 @@ def test_busy_time_and_bubble_fraction():
         splitgrad.pipelining.bubble_fraction([[], []])
     with pytest.raises(ValueError, match="positive length"):
         splitgrad.pipelining.bubble_fraction([rank0], window=(1.0, 1.0))
+
+
+def test_stages_of_rank_follows_torchs_placement():
+    stages_of_rank = splitgrad.pipelining.stages_of_rank
+    assert [stages_of_rank(r, 4) for r in range(4)] == [[0], [1], [2], [3]]
+    assert [stages_of_rank(r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [stages_of_rank(r, 4, 2, "v") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    # torch's own mapping for the V schedules
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+    mapping = generate_stage_to_rank_mapping(4, 8, style="v")
+    assert all(mapping[s] == r for r in range(4) for s in stages_of_rank(r, 4, 2, "v"))
+    mapping = generate_stage_to_rank_mapping(2, 4, style="loop")
+    assert all(mapping[s] == r for r in range(2) for s in stages_of_rank(r, 2, 2))
+    with pytest.raises(ValueError, match="style"):
+        stages_of_rank(0, 2, 2, "zigzag")
+    with pytest.raises(ValueError, match="2 stages per rank"):
+        stages_of_rank(0, 2, 3, "v")
+    with pytest.raises(ValueError, match="rank 2, world 2"):
+        stages_of_rank(2, 2)
 
 
 def test_stage_and_tied_parameter_argument_errors():
