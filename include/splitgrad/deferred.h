@@ -54,6 +54,10 @@ void backward_dw_all();
 /// How many deferred wgrad items are waiting (all layers).
 int64_t pending_wgrads();
 
+/// Deferred contributions still owed to `param`: queued by backward passes and not yet landed
+/// (an item taken by a running backward_dw() counts until it has been added).
+int64_t pending_wgrads_for(const at::Tensor& param);
+
 /// Names of the layers with pending work; with `params` non-empty, only the layers whose pending
 /// work feeds one of them.
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params = {});

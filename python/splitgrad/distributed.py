@@ -13,6 +13,11 @@ gradient. :meth:`GradReducer.finish` waits for them.
   bucket into this rank's shard of it; after ``finish()``, :meth:`GradReducer.sharded_grad` and
   :meth:`GradReducer.shard_range` give each parameter's reduced slice that this rank owns. The full
   ``.grad`` / ``main_grad`` keeps the local (unreduced) gradient.
+
+:func:`fully_shard` is FSDP2's ``torch.distributed.fsdp.fully_shard`` for models with delayed
+splitgrad layers: a parameter group owed deferred wgrad work reduce-scatters after the last
+``backward_dw()`` that contributes to it, instead of in FSDP's post-backward hook (where those
+gradients do not exist yet and would be lost).
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ._deferred import register_grad_ready_hook
+from ._fsdp import finish_fsdp_reductions, fsdp_reduction_log, fully_shard
 
-__all__ = ["GradReducer"]
+__all__ = ["GradReducer", "fully_shard", "finish_fsdp_reductions", "fsdp_reduction_log"]
 
 _MODES = ("all_reduce", "reduce_scatter")
 

@@ -238,6 +238,12 @@ void backward_dw_all() { run(WgradStore::instance().take_all()); }
 
 int64_t pending_wgrads() { return static_cast<int64_t>(WgradStore::instance().pending()); }
 
+int64_t pending_wgrads_for(const at::Tensor& param) {
+  TORCH_CHECK_VALUE(param.defined(),
+                    "pending_wgrads_for: expected a parameter, got an undefined tensor");
+  return GradLedger::instance().pending_for(param);
+}
+
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params) {
   std::vector<std::string> names;
   for (auto layer : WgradStore::instance().layers_with_pending(params)) {

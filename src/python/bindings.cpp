@@ -100,6 +100,14 @@ PYBIND11_MODULE(_C, m) {
       "Runs every pending deferred wgrad in the process, oldest first.");
   m.def("pending_wgrads", &splitgrad::pending_wgrads,
         "How many deferred wgrad items are waiting (all layers).");
+  m.def(
+      "pending_wgrads_for",
+      [](const at::Tensor& param) {
+        HANDLE_TH_ERRORS
+        return splitgrad::pending_wgrads_for(param);
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("param"), "Deferred contributions still owed to param (queued, not yet landed).");
   m.def("layers_with_pending_wgrads", &splitgrad::layers_with_pending_wgrads,
         py::arg("params") = std::vector<at::Tensor>{});
   m.def(

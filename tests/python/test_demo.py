@@ -50,3 +50,23 @@ def test_zero_bubble_example_script_trains_under_torchrun():
     assert done.returncode == 0, printed
     losses = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and losses[-1] < losses[0] - 0.3, printed
+
+
+def test_data_parallel_example_trains_the_same_in_both_modes():
+    """examples/data_parallel.py under torchrun (2 processes, gloo): GradReducer (DDP-style) and
+    FSDP2 train the same model on the same data to the same losses, and the reductions start
+    during backward_dw()."""
+    example = DEMO.parent / "data_parallel.py"
+    losses = {}
+    for mode in ("ddp", "fsdp"):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               "2", str(example), "--mode", mode, "--steps", "20"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+        assert len(lines) == 2, done.stdout
+        losses[mode] = [float(line.split("loss ")[1].split(";")[0]) for line in lines]
+        started, total = lines[-1].rsplit(": ", 1)[1].split(" of ")
+        assert int(started) >= 1 and int(total) >= int(started), lines[-1]
+    assert losses["ddp"][-1] < 2.0, losses
+    assert abs(losses["ddp"][-1] - losses["fsdp"][-1]) < 1e-3, losses

@@ -15,21 +15,17 @@ To keep the file fast, one group of processes per world size runs every case in 
 
 from __future__ import annotations
 
-import datetime
 import functools
-import json
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import splitgrad
 import splitgrad.distributed
+from spawn_helpers import check_case, run_cases, spawn_and_collect
 from sg_helpers import assert_grads_match, named_gradients, to_reference
 
 pytestmark = pytest.mark.skipif(
@@ -461,28 +457,7 @@ CASES = {f"{name}[{mode}]": functools.partial(case, mode=mode)
 
 
 def _worker(rank, world, init_file, out_dir):
-    results = {}
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        for name, case in CASES.items():
-            try:
-                case(rank, world)
-                results[name] = None
-            except BaseException:  # noqa: BLE001 - reported to the parent test
-                results[name] = traceback.format_exc()
-            finally:
-                while splitgrad.pending_wgrads():  # a failed case must not leak into the next
-                    try:
-                        splitgrad.backward_dw_all()
-                    except RuntimeError:
-                        pass
-            dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        results["__worker__"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_cases(CASES, rank, world, init_file, out_dir, barrier=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -494,36 +469,8 @@ def _worker(rank, world, init_file, out_dir):
 def results(request, tmp_path_factory):
     """Runs every case on ``world`` spawned ranks; returns {case: [traceback or None per rank]}."""
     world = request.param
-    tmp = tmp_path_factory.mktemp(f"world{world}")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, world, str(tmp / "init"), str(tmp)))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(WORKER_TIMEOUT_S)
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for rank in hung:
-        procs[rank].kill()
-        procs[rank].join()
-    per_rank = []
-    for rank, p in enumerate(procs):
-        path = tmp / f"rank{rank}.json"
-        if not path.exists():
-            pytest.fail(f"rank {rank} of {world} wrote no result (exit code {p.exitcode}"
-                        f"{', killed after hanging' if rank in hung else ''})")
-        per_rank.append(json.loads(path.read_text()))
-    for rank, res in enumerate(per_rank):
-        if "__worker__" in res:
-            pytest.fail(f"rank {rank} of {world} failed outside the cases:\n{res['__worker__']}")
-    return {case: [res.get(case, "case did not run") for res in per_rank] for case in CASES}
-
-
-def _check(results, case):
-    failures = [(rank, tb) for rank, tb in enumerate(results[case]) if tb is not None]
-    if failures:
-        pytest.fail("\n".join(f"--- rank {rank} of {len(results[case])}:\n{tb}" for rank, tb in failures),
-                    pytrace=False)
+    return spawn_and_collect(_worker, world, tmp_path_factory.mktemp(f"world{world}"), CASES,
+                             WORKER_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -531,47 +478,47 @@ def test_tied_delayed_layers_and_regular_layer(results, mode):
     """Reduced (or reduce-scattered) gradients equal plain autograd over all ranks' data; the tied
     weight's bucket is launched after the second tied layer's backward_dw, each parameter once per
     step; reduce_scatter leaves the local gradient in .grad."""
-    _check(results, f"tied_layers[{mode}]")
+    check_case(results, f"tied_layers[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_embedding_tied_to_delayed_output_layer(results, mode):
-    _check(results, f"tied_embedding[{mode}]")
+    check_case(results, f"tied_embedding[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fuse_wgrad_accumulation_main_grad(results, mode):
-    _check(results, f"main_grad[{mode}]")
+    check_case(results, f"main_grad[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_no_sync_gradient_accumulation(results, mode):
-    _check(results, f"no_sync[{mode}]")
+    check_case(results, f"no_sync[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_finish_names_parameters_never_ready(results, mode):
-    _check(results, f"never_ready[{mode}]")
+    check_case(results, f"never_ready[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ready_twice_without_no_sync_raises(results, mode):
-    _check(results, f"ready_twice[{mode}]")
+    check_case(results, f"ready_twice[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_collectives_overlap_remaining_backward_dw(results, mode):
-    _check(results, f"overlap[{mode}]")
+    check_case(results, f"overlap[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_several_buckets_padded_shards(results, mode):
-    _check(results, f"several_buckets[{mode}]")
+    check_case(results, f"several_buckets[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sharded_accessors_by_mode(results, mode):
-    _check(results, f"mode_accessors[{mode}]")
+    check_case(results, f"mode_accessors[{mode}]")
 
 
 # ------------------------------------------------------------------------------------------------

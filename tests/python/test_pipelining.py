@@ -19,22 +19,18 @@ fails its test with that rank's traceback.
 from __future__ import annotations
 
 import copy
-import datetime
 import functools
-import json
-import os
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed import pipelining
 
 import splitgrad
 import splitgrad.pipelining
+from spawn_helpers import check_case, run_cases, spawn_and_collect
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -433,28 +429,7 @@ CASES["leftover_work"] = case_leftover_work
 
 
 def _worker(rank, world, init_file, out_dir):
-    results = {}
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        for name, case in CASES.items():
-            try:
-                case(rank, world)
-                results[name] = None
-            except BaseException:  # noqa: BLE001 - reported to the parent test
-                results[name] = traceback.format_exc()
-            finally:
-                while splitgrad.pending_wgrads():  # a failed case must not leak into the next
-                    try:
-                        splitgrad.backward_dw_all()
-                    except RuntimeError:
-                        pass
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        results["__worker__"] = traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+    run_cases(CASES, rank, world, init_file, out_dir, barrier=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,36 +441,8 @@ def _worker(rank, world, init_file, out_dir):
 def results(request, tmp_path_factory):
     """Runs every case on ``world`` spawned ranks; returns {case: [traceback or None per rank]}."""
     world = request.param
-    tmp = tmp_path_factory.mktemp(f"pipeline{world}")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(rank, world, str(tmp / "init"), str(tmp)))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(WORKER_TIMEOUT_S)
-    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
-    for rank in hung:
-        procs[rank].kill()
-        procs[rank].join()
-    per_rank = []
-    for rank, p in enumerate(procs):
-        path = tmp / f"rank{rank}.json"
-        if not path.exists():
-            pytest.fail(f"rank {rank} of {world} wrote no result (exit code {p.exitcode}"
-                        f"{', killed after hanging' if rank in hung else ''})")
-        per_rank.append(json.loads(path.read_text()))
-    for rank, res in enumerate(per_rank):
-        if "__worker__" in res:
-            pytest.fail(f"rank {rank} of {world} failed outside the cases:\n{res['__worker__']}")
-    return {case: [res.get(case, "case did not run") for res in per_rank] for case in CASES}
-
-
-def _check(results, case):
-    failures = [(rank, tb) for rank, tb in enumerate(results[case]) if tb is not None]
-    if failures:
-        pytest.fail("\n".join(f"--- rank {rank} of {len(results[case])}:\n{tb}" for rank, tb in failures),
-                    pytrace=False)
+    return spawn_and_collect(_worker, world, tmp_path_factory.mktemp(f"pipeline{world}"), CASES,
+                             WORKER_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES) + ["ZB1P-main_grad", "ZBV-main_grad"])
@@ -504,11 +451,11 @@ def test_schedule_matches_plain_autograd(results, schedule):
     embedding included; B steps compute no delayed weight gradient, each W step runs exactly its
     micro-batch's deferred work, grad-ready hooks fire once per micro-batch after the last
     contribution, and the timeline holds one F, B and W per micro-batch."""
-    _check(results, f"schedule[{schedule}]")
+    check_case(results, f"schedule[{schedule}]")
 
 
 def test_leftover_deferred_work_is_an_error_and_nothing_is_lost(results):
-    _check(results, "leftover_work")
+    check_case(results, "leftover_work")
 
 
 # ------------------------------------------------------------------------------------------------

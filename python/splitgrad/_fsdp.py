@@ -1,0 +1,182 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with deferred weight gradients.
+
+FSDP2 reduce-scatters a module's gradients in its post-backward hook, which runs as soon as the
+module's part of the autograd backward is over. A splitgrad layer built with
+``delay_wgrad_compute=True`` has not computed its weight gradient by then: it lands later, in
+``backward_dw()``, in the *unsharded* parameter's ``.grad``, which FSDP has already given up on.
+Without help that gradient is silently lost.
+
+:func:`fully_shard` is torch's, plus this: while deferred work is owed to a parameter group's
+parameters, the group's post-backward only reshards (``backward_dw`` reads the stashed input and
+grad-output, never the weight, so the unsharded weights can be freed) and keeps every unsharded
+gradient; the reduce-scatter is started by the grad-ready hook of the group's last delayed
+parameter, i.e. right after the last ``backward_dw()`` that contributes to the group, so it
+overlaps with the ``backward_dw()`` calls of the other groups still to come. Before the optimizer
+reads the sharded gradients, :func:`finish_fsdp_reductions` waits for those reductions (an
+optimizer step calls it by itself).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard as _torch_fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from . import _C
+from ._deferred import register_grad_ready_hook
+from ._linear import Linear
+
+__all__ = ["fully_shard", "finish_fsdp_reductions", "fsdp_reduction_log"]
+
+_lock = threading.Lock()
+# Every splitgrad-managed FSDP group, and those whose reduce-scatter backward_dw() started and
+# nobody has waited for yet.
+_groups: "weakref.WeakSet[_DeferredGroup]" = weakref.WeakSet()
+_in_flight: "weakref.WeakSet[_DeferredGroup]" = weakref.WeakSet()
+#: One entry per reduce-scatter a splitgrad-managed FSDP group started: (the group's delayed layers,
+#: when), ``when`` being "backward" (nothing deferred was owed: FSDP's usual place) or
+#: "backward_dw" (started right after the last deferred contribution landed). Tests and users read
+#: it to see when the collectives ran; clear it freely.
+fsdp_reduction_log: list[tuple[str, str]] = []
+
+
+class _DeferredGroup:
+    """The deferral state of one FSDP parameter group."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.group = module._get_fsdp_state()._fsdp_param_group
+        self.original_post_backward = self.group.post_backward
+        # FSDPParams of delayed splitgrad layers (their unsharded parameters exist only after the
+        # first all-gather, so the hooks are registered at the first forward).
+        self.delayed = [p for p in self.group.fsdp_params if _delayed_layer(p) is not None]
+        self.layers = ", ".join(dict.fromkeys(_delayed_layer(p).name for p in self.delayed)) or "-"
+        self.handles = []
+        self.deferred = False  # FSDP's post-backward was held back for deferred work
+        self.group.post_backward = self.post_backward
+        if self.delayed:
+            module.register_forward_pre_hook(self._register_hooks_once)
+        _groups.add(self)
+
+    def _unsharded(self) -> list[torch.Tensor]:
+        return [p._unsharded_param for p in self.delayed
+                if hasattr(p, "_unsharded_param") and p._unsharded_param.requires_grad]
+
+    def _register_hooks_once(self, module, args) -> None:
+        if self.handles:
+            return
+        # FSDP's own pre-forward hook, registered first, has all-gathered the parameters.
+        self.handles = [register_grad_ready_hook(p, self._ready) for p in self._unsharded()]
+
+    def owed(self) -> bool:
+        """Deferred contributions to this group's parameters are still to land."""
+        return any(_C.pending_wgrads_for(p) for p in self._unsharded())
+
+    def post_backward(self, *unused: Any) -> None:
+        """FSDP's post-backward; while gradients sync and deferred work is owed, everything but the
+        reduction (backward_dw() reads the stashed input and grad-output, not the weights)."""
+        if self.group.reduce_grads and self.owed():
+            self.group._training_state = TrainingState.POST_BACKWARD
+            for fsdp_param in self.group.fsdp_params:
+                fsdp_param.accumulate_unsharded_grad_if_needed()
+            if self.group.reshard_after_backward:
+                self.group.reshard()
+            self.deferred = True
+            return
+        reduces = self.group.reduce_grads and self._has_unsharded_grads()
+        self.original_post_backward(*unused)
+        if reduces:
+            fsdp_reduction_log.append((self.layers, "backward"))
+
+    def _has_unsharded_grads(self) -> bool:
+        return any(hasattr(p, "_unsharded_param")
+                   and (p._unsharded_param.grad is not None or p.unsharded_accumulated_grad is not None)
+                   for p in self.group.fsdp_params)
+
+    def _ready(self, _param: torch.Tensor) -> None:
+        if self.deferred and not self.owed():
+            self.reduce_deferred()
+
+    def reduce_deferred(self) -> None:
+        """Starts the held-back reduce-scatter of every unsharded gradient of the group."""
+        self.deferred = False
+        previous = self.group._training_state
+        try:
+            self.original_post_backward()
+        finally:
+            self.group._training_state = previous
+        fsdp_reduction_log.append((self.layers, "backward_dw"))
+        with _lock:
+            _in_flight.add(self)
+
+    def wait(self) -> None:
+        self.group._wait_for_post_backward()
+        comm = self.group.comm_ctx
+        if comm.reduce_scatter_state is not None and comm.reduce_scatter_state.event is not None:
+            self.group.device_handle.current_stream().wait_event(comm.reduce_scatter_state.event)
+        comm.reduce_scatter_state = None
+
+
+def _delayed_layer(fsdp_param) -> Linear | None:
+    info = fsdp_param._module_info
+    for module in (info.module, *info.shared_modules):
+        if isinstance(module, Linear) and module.delay_wgrad_compute:
+            return module
+    return None
+
+
+def _step_pre_hook(optimizer, args, kwargs) -> None:
+    finish_fsdp_reductions()
+
+
+_step_hook_installed = False
+
+
+def fully_shard(module: nn.Module | list[nn.Module], **kwargs):
+    """``torch.distributed.fsdp.fully_shard(module, **kwargs)`` for modules with delayed splitgrad
+    layers: a parameter group that is owed deferred wgrad work reduce-scatters after the last
+    ``backward_dw()`` contributing to it instead of in its post-backward hook (see the module
+    docstring). Apply it as torch's, bottom-up (each block, then the root); it returns torch's FSDP
+    module. Everything else is FSDP2's own: ``reshard_after_forward``, mixed precision,
+    ``set_requires_gradient_sync(False)`` for gradient accumulation (nothing is reduced then; the
+    micro-batch that syncs reduces everything accumulated, deferred parts included).
+
+    ``fuse_wgrad_accumulation`` (``main_grad``) is refused: under FSDP the gradients live in FSDP's
+    buffers.
+    """
+    global _step_hook_installed
+    for m in module if isinstance(module, list) else [module]:
+        for layer in m.modules():
+            if isinstance(layer, Linear) and layer.fuse_wgrad_accumulation:
+                raise ValueError(
+                    f"splitgrad.distributed.fully_shard: layer '{layer.name}' has "
+                    "fuse_wgrad_accumulation=True; under FSDP the gradients live in FSDP's buffers, "
+                    "so build it with fuse_wgrad_accumulation=False")
+    sharded = _torch_fully_shard(module, **kwargs)
+    state_owner = sharded[0] if isinstance(sharded, list) else sharded
+    if state_owner._get_fsdp_state()._fsdp_param_group is not None:
+        _DeferredGroup(state_owner)
+    if not _step_hook_installed:
+        register_optimizer_step_pre_hook(_step_pre_hook)
+        _step_hook_installed = True
+    return sharded
+
+
+def finish_fsdp_reductions() -> None:
+    """Make the current stream wait for the reduce-scatters that ``backward_dw()`` started, so the
+    sharded gradients can be read (an optimizer step calls this itself). A group whose deferred
+    work has all landed but whose reduction did not start (its last item was dropped by a failed
+    check, say) is reduced now."""
+    for group in list(_groups):
+        if group.deferred and not group.owed():
+            group.reduce_deferred()
+    with _lock:
+        groups = list(_in_flight)
+        _in_flight.clear()
+    for group in groups:
+        group.wait()

@@ -1,0 +1,338 @@
+"""splitgrad layers under FSDP2 (``splitgrad.distributed.fully_shard``, torch's ``fully_shard`` with the
+reduce-scatter of deferred gradients moved to the last ``backward_dw()``), over gloo on the CPU with
+2 and 4 ranks, each with its own data.
+
+After a step the sharded gradients (gathered with ``full_tensor()``) and the parameters after an SGD
+step must equal a single-process plain-autograd run over all ranks' data, for: delayed and regular
+layers in one FSDP unit, two delayed layers sharing a weight, an embedding tied to a delayed output
+layer, several micro-batches with gradient accumulation (``set_requires_gradient_sync(False)``) in a
+zero-bubble order, and FSDP's resharding options. Each unit's reduce-scatter must start exactly once
+per step, and only after its last contribution: a unit with delayed layers during the
+``backward_dw()`` of its last delayed layer (so the reductions overlap the ``backward_dw()`` calls
+still to come), one without during the backward. Torch's own ``fully_shard`` loses those gradients:
+one case shows it, so the test would notice if that changed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import splitgrad
+import splitgrad.distributed as sgd
+from sg_helpers import to_reference
+from spawn_helpers import check_case, run_cases, spawn_and_collect
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available in this PyTorch build",
+)
+
+D, VOCAB, BATCH, TOKENS = 8, 11, 4, 3
+WORKER_TIMEOUT_S = 300
+
+
+class Block(nn.Module):
+    """One FSDP unit: a LayerNorm, two delayed layers (regular ones with ``delay=False``) and a
+    regular one."""
+
+    def __init__(self, name, delay=True):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = splitgrad.Linear(D, 2 * D, device="cpu", delay_wgrad_compute=delay, name=f"{name}.fc1")
+        self.fc2 = splitgrad.Linear(2 * D, D, device="cpu", delay_wgrad_compute=delay, name=f"{name}.fc2")
+        self.regular = splitgrad.Linear(D, D, device="cpu", name=f"{name}.regular")
+
+    def forward(self, x):
+        x = x + self.fc2(torch.tanh(self.fc1(self.norm(x))))
+        return x + torch.tanh(self.regular(x))
+
+
+class TiedBlock(nn.Module):
+    """Two delayed layers sharing one weight (and a bias each) in one FSDP unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, name="tied.a")
+        self.b = splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, name="tied.b")
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return x + self.b(torch.tanh(self.a(x)))
+
+
+class LM(nn.Module):
+    """An embedding tied to a delayed output layer (both in the root unit), blocks between."""
+
+    def __init__(self, tied_block=False, delay=True):
+        super().__init__()
+        torch.manual_seed(0)  # the same initial parameters on every rank and for the reference
+        self.embed = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList([Block("blocks.0", delay), Block("blocks.1", delay)])
+        if tied_block:
+            self.blocks.append(TiedBlock())
+        self.head = splitgrad.Linear(D, VOCAB, bias=False, device="cpu", delay_wgrad_compute=delay, name="head")
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def lm_loss(model, ids, targets):
+    logits = model(ids)
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
+def rank_data(step, world, micro=1):
+    """[rank][micro] -> (ids, targets), rebuilt identically in any process."""
+    data = []
+    for rank in range(world):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        data.append([(torch.randint(VOCAB, (BATCH, TOKENS), generator=g),
+                      torch.randint(VOCAB, (BATCH, TOKENS), generator=g)) for _ in range(micro)])
+    return data
+
+
+def reference_grads(reference, data):
+    """Plain autograd over every rank's data: the mean loss over all of it (FSDP averages the
+    ranks' mean losses; equal batch sizes make the two the same)."""
+    micro = len(data[0])
+    ids = [torch.cat([data[r][m][0] for r in range(len(data))]) for m in range(micro)]
+    targets = [torch.cat([data[r][m][1] for r in range(len(data))]) for m in range(micro)]
+    for i, t in zip(ids, targets):
+        (lm_loss(reference, i, t) / micro).backward()
+
+
+def shard(model, fully_shard=sgd.fully_shard, **kwargs):
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+def delayed_layers(model):
+    return [m for m in model.modules() if isinstance(m, splitgrad.Linear) and m.delay_wgrad_compute]
+
+
+class LogTracker:
+    """Which action each FSDP reduce-scatter of the step started in."""
+
+    def __init__(self):
+        sgd.fsdp_reduction_log.clear()
+        self.during = []  # (unit's delayed layers, when, action)
+
+    def do(self, label, fn):
+        before = len(sgd.fsdp_reduction_log)
+        fn()
+        self.during += [(layers, when, label) for layers, when in sgd.fsdp_reduction_log[before:]]
+
+
+def assert_sharded_grads_match(model, reference, what):
+    want = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{what}: {name} has no sharded gradient"
+        got = p.grad.full_tensor()  # a collective: every rank, same order
+        torch.testing.assert_close(got, want[name].grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what}: {name}: {m}")
+
+
+def assert_params_match(model, reference, what):
+    want = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.full_tensor().detach(), want[name].detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{what}: {name}: {m}")
+
+
+EXPECTED_UNITS = {  # the units' delayed layers, as logged
+    "blocks.0.fc1, blocks.0.fc2", "blocks.1.fc1, blocks.1.fc2", "head",
+}
+
+
+def case_one_step(rank, world, tied_block=False, reshard_after_forward=True, steps=2):
+    """backward, then backward_dw of every delayed layer, last first; twice, with SGD steps."""
+    model = LM(tied_block)
+    reference = to_reference(model)
+    shard(model, reshard_after_forward=reshard_after_forward)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    units = EXPECTED_UNITS | ({"tied.a, tied.b"} if tied_block else set())
+    for step in range(steps):
+        data = rank_data(step, world)
+        ids, targets = data[rank][0]
+        tracker = LogTracker()
+        tracker.do("B", lm_loss(model, ids, targets).backward)
+        for layer in reversed(delayed_layers(model)):
+            tracker.do(f"W {layer.name}", layer.backward_dw)
+        # every unit reduce-scattered once, right after the backward_dw of its last delayed layer
+        # (head is the output layer: its W runs first, so its reduction overlaps all the others)
+        assert sorted(u for u, _, _ in tracker.during) == sorted(units), tracker.during
+        for unit, when, action in tracker.during:
+            assert when == "backward_dw", tracker.during
+            first_layer = unit.split(", ")[0]
+            assert action == f"W {first_layer}", (unit, action)  # reversed order: the first is last
+        assert [u for u, _, _ in tracker.during][0] == "head", tracker.during
+        reference_grads(reference, data)
+        assert_sharded_grads_match(model, reference, f"step {step}")
+        optimizer.step()  # waits for the reductions (finish_fsdp_reductions)
+        ref_optimizer.step()
+        assert_params_match(model, reference, f"after step {step}")
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+
+
+def case_micro_batches(rank, world):
+    """Gradient accumulation in a zero-bubble order: F0 B0 (no sync) F1 B1 (sync) W0 W1. Nothing
+    is reduced before the last W; then each unit once, with both micro-batches' gradients."""
+    model = LM()
+    reference = to_reference(model)
+    shard(model)
+    data = rank_data(0, world, micro=2)
+    (ids0, t0), (ids1, t1) = data[rank]
+    tracker = LogTracker()
+    model.set_requires_gradient_sync(False)
+    tracker.do("B0", (lm_loss(model, ids0, t0) / 2).backward)
+    model.set_requires_gradient_sync(True)
+    tracker.do("B1", (lm_loss(model, ids1, t1) / 2).backward)
+    assert tracker.during == [], tracker.during
+    for layer in reversed(delayed_layers(model)):
+        tracker.do(f"W0 {layer.name}", layer.backward_dw)
+    assert tracker.during == [], f"reduced before the last micro-batch's W: {tracker.during}"
+    for layer in reversed(delayed_layers(model)):
+        tracker.do(f"W1 {layer.name}", layer.backward_dw)
+    assert sorted(u for u, _, _ in tracker.during) == sorted(EXPECTED_UNITS), tracker.during
+    assert all(action.startswith("W1 ") for _, _, action in tracker.during), tracker.during
+    sgd.finish_fsdp_reductions()
+    reference_grads(reference, data)
+    assert_sharded_grads_match(model, reference, "two micro-batches")
+
+
+def case_regular_unit(rank, world):
+    """A unit without delayed layers reduces in the backward, as FSDP does; the rest after W."""
+    torch.manual_seed(0)
+    model = nn.Sequential(splitgrad.Linear(D, D, device="cpu", name="regular"), nn.Tanh(),
+                          splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, name="delayed"))
+    reference = to_reference(model)
+    sgd.fully_shard(model[0])
+    sgd.fully_shard(model[2])
+    sgd.fully_shard(model)
+    x = torch.randn(BATCH, D, generator=torch.Generator().manual_seed(rank))
+    tracker = LogTracker()
+    tracker.do("B", lambda: model(x).square().mean().backward())
+    tracker.do("W", model[2].backward_dw)
+    assert tracker.during == [("-", "backward", "B"), ("delayed", "backward_dw", "W")], tracker.during
+    sgd.finish_fsdp_reductions()
+    xs = torch.cat([torch.randn(BATCH, D, generator=torch.Generator().manual_seed(r)) for r in range(world)])
+    reference(xs).square().mean().backward()
+    assert_sharded_grads_match(model, reference, "regular and delayed units")
+
+
+def case_mixed_precision(rank, world):
+    """FSDP's bf16 mixed precision (bf16 compute, fp32 reduction): the delayed model's sharded
+    gradients equal those of the same model with regular layers (wgrad inside the backward) under
+    the same policy, to bf16 rounding of the sums' order, and both are near the fp32 reference."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    delayed, regular = LM(), LM(delay=False)
+    reference = to_reference(delayed)
+    shard(delayed, mp_policy=policy)
+    shard(regular, mp_policy=policy)
+    data = rank_data(0, world)
+    ids, targets = data[rank][0]
+    lm_loss(delayed, ids, targets).backward()
+    splitgrad.backward_dw_all()
+    sgd.finish_fsdp_reductions()
+    lm_loss(regular, ids, targets).backward()
+    reference_grads(reference, data)
+    want = dict(reference.named_parameters())
+    for (name, p), (_, q) in zip(delayed.named_parameters(), regular.named_parameters()):
+        got, same_policy = p.grad.full_tensor(), q.grad.full_tensor()
+        assert got.dtype == torch.float32, (name, got.dtype)
+        scale = same_policy.abs().max().item()
+        torch.testing.assert_close(got, same_policy, rtol=0, atol=2 ** -7 * scale,
+                                   msg=lambda m: f"{name} vs regular layers under the same policy: {m}")
+        torch.testing.assert_close(got, want[name].grad, rtol=0, atol=2 ** -5 * scale,
+                                   msg=lambda m: f"{name} vs the fp32 reference: {m}")
+
+
+def case_torch_fully_shard_loses_deferred_grads(rank, world):
+    """Why splitgrad's fully_shard exists: under torch's own, the deferred weight gradients land
+    in the unsharded parameters after FSDP reduced, and the sharded gradients never get them."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    model = shard(LM(), fully_shard=torch_fully_shard)
+    ids, targets = rank_data(0, world)[rank][0]
+    lm_loss(model, ids, targets).backward()
+    splitgrad.backward_dw_all()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert "blocks.0.fc1.weight" in missing and "head.weight" not in missing, missing
+    # (head.weight is tied to the embedding, whose immediate gradient FSDP did reduce: a partial sum)
+
+
+def case_refuses_main_grad(rank, world):
+    layer = splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
+                             name="fused")
+    try:
+        sgd.fully_shard(layer)
+    except ValueError as error:
+        assert "fuse_wgrad_accumulation" in str(error) and "fused" in str(error), str(error)
+    else:
+        raise AssertionError("fully_shard accepted a fuse_wgrad_accumulation layer")
+
+
+CASES = {
+    "one_step": case_one_step,
+    "tied_block": functools.partial(case_one_step, tied_block=True),
+    "no_reshard_after_forward": functools.partial(case_one_step, reshard_after_forward=False, steps=1),
+    "micro_batches": case_micro_batches,
+    "mixed_precision": case_mixed_precision,
+    "regular_unit": case_regular_unit,
+    "torch_fully_shard_loses_deferred_grads": case_torch_fully_shard_loses_deferred_grads,
+    "refuses_main_grad": case_refuses_main_grad,
+}
+
+
+def _worker(rank, world, init_file, out_dir):
+    run_cases(CASES, rank, world, init_file, out_dir)
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"world{w}")
+def results(request, tmp_path_factory):
+    world = request.param
+    return spawn_and_collect(_worker, world, tmp_path_factory.mktemp(f"fsdp{world}"), CASES, WORKER_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("case", ["one_step", "tied_block", "no_reshard_after_forward"])
+def test_sharded_gradients_and_parameters_match_plain_autograd(results, case):
+    """Sharded gradients and parameters after SGD steps equal plain autograd over all ranks' data,
+    tied weights included; every unit reduce-scatters once per step, right after the W of its
+    last delayed layer, the output layer's first (overlapping the W steps still to come)."""
+    check_case(results, case)
+
+
+def test_gradient_accumulation_over_micro_batches_reduces_once(results):
+    check_case(results, "micro_batches")
+
+
+def test_bf16_mixed_precision_policy(results):
+    check_case(results, "mixed_precision")
+
+
+def test_unit_without_delayed_layers_reduces_in_backward(results):
+    check_case(results, "regular_unit")
+
+
+def test_torch_fully_shard_alone_loses_deferred_gradients(results):
+    check_case(results, "torch_fully_shard_loses_deferred_grads")
+
+
+def test_fuse_wgrad_accumulation_is_refused(results):
+    check_case(results, "refuses_main_grad")
