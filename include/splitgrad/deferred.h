@@ -58,6 +58,11 @@ int64_t pending_wgrads();
 /// (an item taken by a running backward_dw() counts until it has been added).
 int64_t pending_wgrads_for(const at::Tensor& param);
 
+/// Deferred contributions to `param` dropped so far (an item whose stashed tensor was modified in
+/// place, a layer deleted with work pending). Never decreases while `param` lives: a reducer
+/// compares it before and after a step to know that a gradient is incomplete.
+int64_t dropped_wgrads_for(const at::Tensor& param);
+
 /// Names of the layers with pending work; with `params` non-empty, only the layers whose pending
 /// work feeds one of them.
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params = {});

@@ -58,6 +58,7 @@ class _DeferredGroup:
         self.layers = ", ".join(dict.fromkeys(_delayed_layer(p).name for p in self.delayed)) or "-"
         self.handles = []
         self.deferred = False  # FSDP's post-backward was held back for deferred work
+        self.drops_seen = 0  # deferred items dropped for this group's parameters, at the last reduction
         self.group.post_backward = self.post_backward
         if self.delayed:
             module.register_forward_pre_hook(self._register_hooks_once)
@@ -76,6 +77,9 @@ class _DeferredGroup:
     def owed(self) -> bool:
         """Deferred contributions to this group's parameters are still to land."""
         return any(_C.pending_wgrads_for(p) for p in self._unsharded())
+
+    def _drops(self) -> int:
+        return sum(_C.dropped_wgrads_for(p) for p in self._unsharded())
 
     def post_backward(self, *unused: Any) -> None:
         """FSDP's post-backward; while gradients sync and deferred work is owed, everything but the
@@ -99,12 +103,15 @@ class _DeferredGroup:
                    for p in self.group.fsdp_params)
 
     def _ready(self, _param: torch.Tensor) -> None:
-        if self.deferred and not self.owed():
+        # A contribution dropped since the last reduction leaves the gradient incomplete:
+        # finish_fsdp_reductions() reports that instead of reducing a partial sum.
+        if self.deferred and not self.owed() and self._drops() == self.drops_seen:
             self.reduce_deferred()
 
     def reduce_deferred(self) -> None:
         """Starts the held-back reduce-scatter of every unsharded gradient of the group."""
         self.deferred = False
+        self.drops_seen = self._drops()
         previous = self.group._training_state
         try:
             self.original_post_backward()
@@ -113,6 +120,14 @@ class _DeferredGroup:
         fsdp_reduction_log.append((self.layers, "backward_dw"))
         with _lock:
             _in_flight.add(self)
+
+    def discard_unsharded_grads(self) -> None:
+        self.deferred = False
+        self.drops_seen = self._drops()
+        for fsdp_param in self.group.fsdp_params:
+            if hasattr(fsdp_param, "_unsharded_param"):
+                fsdp_param._unsharded_param.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
 
     def wait(self) -> None:
         self.group._wait_for_post_backward()
@@ -169,14 +184,25 @@ def fully_shard(module: nn.Module | list[nn.Module], **kwargs):
 
 def finish_fsdp_reductions() -> None:
     """Make the current stream wait for the reduce-scatters that ``backward_dw()`` started, so the
-    sharded gradients can be read (an optimizer step calls this itself). A group whose deferred
-    work has all landed but whose reduction did not start (its last item was dropped by a failed
-    check, say) is reduced now."""
-    for group in list(_groups):
-        if group.deferred and not group.owed():
-            group.reduce_deferred()
+    sharded gradients can be read (an optimizer step calls this itself).
+
+    A unit whose reduction was held back and can no longer start — its deferred work is no longer
+    owed but did not all land, because an item was dropped (a stashed tensor modified in place) —
+    raises a RuntimeError naming its layers after the other units are waited for; its unsharded
+    gradients are discarded, so no partial gradient is reduced now or mixed into the next step.
+    A unit whose deferred work is still pending stays held back (it reduces when the work lands).
+    """
+    stranded = [g for g in list(_groups) if g.deferred and not g.owed()]
+    for group in stranded:
+        group.discard_unsharded_grads()
     with _lock:
         groups = list(_in_flight)
         _in_flight.clear()
     for group in groups:
         group.wait()
+    if stranded:
+        raise RuntimeError(
+            "splitgrad.distributed.fully_shard: the gradients of the FSDP unit(s) of layer(s) "
+            f"{'; '.join(repr(g.layers) for g in stranded)} were not reduced: part of their deferred "
+            "wgrad work was dropped (see the error raised by backward_dw()), so their gradients are "
+            "incomplete. Their unsharded gradients were discarded; run the step again.")

@@ -124,6 +124,7 @@ void GradLedger::deferred_dropped(const at::Tensor& param, PassId pass) {
     PassState& ps = it->second.passes[pass];
     ps.owed = std::max<int64_t>(0, ps.owed - 1);
     ps.incomplete = true;
+    it->second.dropped += 1;
     settle(key, pass, firings);
   }
   fire(firings);
@@ -163,7 +164,7 @@ void GradLedger::settle(Key key, PassId pass, std::vector<Firing>& out) {
     for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
     out.push_back(std::move(firing));
   }
-  if (state.passes.empty() && state.hooks.empty()) params_.erase(it);
+  if (state.passes.empty() && state.hooks.empty() && state.dropped == 0) params_.erase(it);
 }
 
 void GradLedger::fire(std::vector<Firing>& firings) {
@@ -189,6 +190,13 @@ int64_t GradLedger::pending_for(const at::Tensor& param) const {
   int64_t owed = 0;
   for (const auto& [pass, ps] : it->second.passes) owed += ps.owed;
   return owed;
+}
+
+int64_t GradLedger::dropped_for(const at::Tensor& param) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = params_.find(param.unsafeGetTensorImpl());
+  if (it == params_.end() || it->second.impl.expired()) return 0;
+  return it->second.dropped;
 }
 
 void GradLedger::reset() {

@@ -60,6 +60,8 @@ class GradLedger {
 
   /// Deferred contributions still owed to `param`, over all passes.
   int64_t pending_for(const at::Tensor& param) const;
+  /// Deferred contributions to `param` dropped so far (never decreases while `param` lives).
+  int64_t dropped_for(const at::Tensor& param) const;
   /// True if the ledger has seen `pass` but not yet its autograd_pass_finished().
   bool pass_open(PassId pass) const;
 
@@ -76,6 +78,7 @@ class GradLedger {
     WeakTensor impl;  // the parameter itself is not kept alive by the ledger
     std::vector<std::pair<uint64_t, GradReadyHook>> hooks;
     std::unordered_map<PassId, PassState> passes;
+    int64_t dropped = 0;  // deferred contributions dropped, over the parameter's life
   };
   using Key = const c10::TensorImpl*;
   struct Firing {

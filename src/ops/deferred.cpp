@@ -244,6 +244,12 @@ int64_t pending_wgrads_for(const at::Tensor& param) {
   return GradLedger::instance().pending_for(param);
 }
 
+int64_t dropped_wgrads_for(const at::Tensor& param) {
+  TORCH_CHECK_VALUE(param.defined(),
+                    "dropped_wgrads_for: expected a parameter, got an undefined tensor");
+  return GradLedger::instance().dropped_for(param);
+}
+
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params) {
   std::vector<std::string> names;
   for (auto layer : WgradStore::instance().layers_with_pending(params)) {

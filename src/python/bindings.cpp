@@ -108,6 +108,14 @@ PYBIND11_MODULE(_C, m) {
         END_HANDLE_TH_ERRORS_PYBIND
       },
       py::arg("param"), "Deferred contributions still owed to param (queued, not yet landed).");
+  m.def(
+      "dropped_wgrads_for",
+      [](const at::Tensor& param) {
+        HANDLE_TH_ERRORS
+        return splitgrad::dropped_wgrads_for(param);
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("param"), "Deferred contributions to param dropped so far.");
   m.def("layers_with_pending_wgrads", &splitgrad::layers_with_pending_wgrads,
         py::arg("params") = std::vector<at::Tensor>{});
   m.def(

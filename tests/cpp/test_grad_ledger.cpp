@@ -175,8 +175,10 @@ TEST_F(GradLedgerTest, DroppedContributionMarksThePassIncomplete) {
   ledger().expect_deferred(p, kPassA);
   ledger().expect_deferred(p, kPassA);
   ledger().autograd_pass_finished(kPassA);
+  EXPECT_EQ(ledger().dropped_for(p), 0);
   ledger().deferred_dropped(p, kPassA);
   EXPECT_EQ(ledger().pending_for(p), 1) << "a dropped contribution is no longer owed";
+  EXPECT_EQ(ledger().dropped_for(p), 1);
   ledger().deferred_landed(p, kPassA);
   EXPECT_EQ(*calls, 0) << "the gradient of pass A is incomplete: no hook call for it";
   EXPECT_EQ(ledger().pending_for(p), 0);
@@ -187,6 +189,19 @@ TEST_F(GradLedgerTest, DroppedContributionMarksThePassIncomplete) {
   ledger().autograd_pass_finished(kPassB);
   ledger().deferred_landed(p, kPassB);
   EXPECT_EQ(*calls, 1);
+  EXPECT_EQ(ledger().dropped_for(p), 1) << "the count of drops never decreases";
+}
+
+TEST_F(GradLedgerTest, DropsAreCountedWithoutHooksToo) {
+  // A reducer compares the count before and after a step, hooks or not.
+  at::Tensor p = torch::zeros({3});
+  ledger().open_pass(kPassA);
+  ledger().expect_deferred(p, kPassA);
+  ledger().autograd_pass_finished(kPassA);
+  ledger().deferred_dropped(p, kPassA);
+  EXPECT_EQ(ledger().pending_for(p), 0);
+  EXPECT_EQ(ledger().dropped_for(p), 1) << "kept after the pass settled";
+  EXPECT_EQ(ledger().dropped_for(torch::zeros({3})), 0);
 }
 
 TEST_F(GradLedgerTest, DroppedLastContributionSettlesThePassWithoutFiring) {

@@ -22,13 +22,17 @@ import torch.multiprocessing as mp
 import splitgrad
 
 
-def run_cases(cases: dict, rank: int, world: int, init_file: str, out_dir: str, barrier: bool = True) -> None:
+def run_cases(cases: dict, rank: int, world: int, init_file: str, out_dir: str, barrier: bool = True,
+              backend: str = "gloo") -> None:
     """Runs every case on this rank and writes {case: traceback or None} to out_dir/rank{rank}.json.
-    Deferred work a failed case left is run (or dropped) so it does not leak into the next case."""
+    Deferred work a failed case left is run (or dropped) so it does not leak into the next case.
+    With ``backend="nccl"`` rank r uses GPU r."""
     results = {}
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         for name, case in cases.items():
             try:
