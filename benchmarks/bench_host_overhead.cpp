@@ -1,24 +1,59 @@
 // Host overhead of splitgrad from C++: CPU microseconds per forward and per backward_dw() on tiny
-// shapes (16 x 16 weights, 4 tokens), for 1, 32 and 128 layers, next to plain torch::nn::Linear's
-// forward. On CUDA the device work is queued, not waited for: this is the host's cost per call.
+// shapes (16 x 16 weights, 4 tokens, fp32 main_grad), for 1, 32 and 128 layers, next to plain
+// torch::nn::Linear's forward. On CUDA the device work is queued, not waited for: this is the
+// host's cost per call. Calls are timed in batches of at most 64 with the GPU drained in between
+// (untimed), so a full launch queue never makes the host wait.
+//
+// Then where one backward_dw() spends its time (CUDA): the same wgrad through each layer of the
+// stack, from the bottom up:
+//   cuBLASLt core      splitgrad::cuda::gemm with prepared arguments (plan cache + cublasLtMatmul)
+//   op                 splitgrad::ops::linear_wgrad_accumulate_ (dispatcher, checks, views, core)
+//   at::addmm_         PyTorch's in-place alternative, for scale
+//   backward_dw        the whole deferred step (store, version checks, op, grad-ready ledger)
 //
 //   build/<dir>/bench_host_overhead [cuda|cpu]
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "splitgrad/splitgrad.h"
+#ifdef SPLITGRAD_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+
+#include "cuda/cublaslt_gemm.h"
+#endif
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
+constexpr int64_t kBatch = 64;
 
-double microseconds_since(Clock::time_point start, int64_t calls) {
-  return std::chrono::duration<double, std::micro>(Clock::now() - start).count() /
-         static_cast<double>(calls);
+void drain(bool cuda) {
+  if (cuda) torch::cuda::synchronize();
+}
+
+// Host µs per call of `call`, run `calls` times in batches of kBatch with the device drained
+// (untimed) between batches; `prepare(n)` (untimed) runs before each batch of n calls.
+double host_us_per_call(bool cuda, int64_t calls, const std::function<void(int64_t)>& prepare,
+                        const std::function<void(int64_t)>& call) {
+  double total = 0.0;
+  for (int64_t done = 0; done < calls;) {
+    const int64_t n = std::min(kBatch, calls - done);
+    prepare(n);
+    drain(cuda);
+    const auto start = Clock::now();
+    for (int64_t i = 0; i < n; ++i) call(done + i);
+    total += std::chrono::duration<double, std::micro>(Clock::now() - start).count();
+    drain(cuda);
+    done += n;
+  }
+  return total / static_cast<double>(calls);
 }
 
 }  // namespace
@@ -26,7 +61,8 @@ double microseconds_since(Clock::time_point start, int64_t calls) {
 int main(int argc, char** argv) {
   const bool use_cuda = argc > 1 ? std::string(argv[1]) == "cuda" : torch::cuda::is_available();
   const torch::Device device = use_cuda ? torch::kCUDA : torch::kCPU;
-  std::printf("host overhead per call from C++ (%s, 16x16 weights, 4 tokens)\n",
+  const auto f32 = torch::dtype(torch::kFloat).device(device);
+  std::printf("host overhead per call from C++ (%s, 16x16 weights, 4 tokens, fp32 main_grad)\n",
               use_cuda ? "cuda" : "cpu");
   std::printf("%6s | %18s | %18s | %24s\n", "layers", "fwd us splitgrad", "fwd us nn::Linear",
               "backward_dw us splitgrad");
@@ -39,15 +75,13 @@ int main(int argc, char** argv) {
                             .device(device)
                             .delay_wgrad_compute(true)
                             .fuse_wgrad_accumulation(true));
-      splitgrad::set_main_grad(ours.back()->weight,
-                               torch::zeros({16, 16}, torch::dtype(torch::kFloat).device(device)));
+      splitgrad::set_main_grad(ours.back()->weight, torch::zeros({16, 16}, f32));
       plain.emplace_back(torch::nn::LinearOptions(16, 16).bias(false));
       plain.back()->to(device);
     }
-    const torch::Tensor x =
-        torch::randn({4, 16}, torch::dtype(torch::kFloat).device(device)).requires_grad_(true);
-    const int64_t passes = std::max(4, 4000 / layers);
-
+    const torch::Tensor x = torch::randn({4, 16}, f32).requires_grad_(true);
+    const torch::Tensor grad_out = torch::randn({4, 16}, f32);  // dense: every dy is dense too
+    const int64_t passes = std::max<int64_t>(8, 4096 / layers);
     auto forward_ours = [&] {
       torch::Tensor h = x;
       for (auto& layer : ours) h = layer->forward(h);
@@ -58,28 +92,80 @@ int main(int argc, char** argv) {
       for (auto& layer : plain) h = layer->forward(h);
       return h;
     };
-    forward_ours();
+    forward_ours().backward(grad_out);  // warm-up: plans, allocator
+    for (auto& layer : ours) layer->backward_dw();
     forward_plain();
-    auto start = Clock::now();
-    for (int64_t i = 0; i < passes; ++i) forward_ours();
-    const double fwd_ours = microseconds_since(start, passes * layers);
-    start = Clock::now();
-    for (int64_t i = 0; i < passes; ++i) forward_plain();
-    const double fwd_plain = microseconds_since(start, passes * layers);
-
-    for (int64_t i = 0; i < passes; ++i) forward_ours().sum().backward();
-    if (use_cuda) torch::cuda::synchronize();
-    start = Clock::now();
-    for (int64_t i = 0; i < passes; ++i) {
-      for (auto it = ours.rbegin(); it != ours.rend(); ++it) (*it)->backward_dw();
-    }
-    const double dw = microseconds_since(start, passes * layers);
-    if (use_cuda) torch::cuda::synchronize();
+    const auto nothing = [](int64_t) {};
+    const double fwd_ours =
+        host_us_per_call(use_cuda, passes, nothing, [&](int64_t) { forward_ours(); }) / layers;
+    const double fwd_plain =
+        host_us_per_call(use_cuda, passes, nothing, [&](int64_t) { forward_plain(); }) / layers;
+    // backward_dw: each batch's backward passes are queued (untimed), then their W steps timed.
+    const double dw = host_us_per_call(
+                          use_cuda, passes,
+                          [&](int64_t n) {
+                            for (int64_t i = 0; i < n; ++i) forward_ours().backward(grad_out);
+                          },
+                          [&](int64_t) {
+                            for (auto it = ours.rbegin(); it != ours.rend(); ++it)
+                              (*it)->backward_dw();
+                          }) /
+                      layers;
     std::printf("%6d | %18.2f | %18.2f | %24.2f\n", layers, fwd_ours, fwd_plain, dw);
     if (splitgrad::pending_wgrads() != 0) {
       std::fprintf(stderr, "deferred work left over\n");
       return 1;
     }
   }
+
+#ifdef SPLITGRAD_WITH_CUDA
+  if (!use_cuda) return 0;
+  // The breakdown of one wgrad + fp32 accumulation (16x16 weight, 4 tokens), from the bottom up.
+  const int64_t calls = 4096;
+  const torch::Tensor dy = torch::randn({4, 16}, f32), x = torch::randn({4, 16}, f32);
+  torch::Tensor main_grad = torch::zeros({16, 16}, f32);
+  splitgrad::cuda::GemmArgs args;  // as linear_cuda.cpp's wgrad_gemm prepares them
+  args.m = 16, args.n = 16, args.k = 4;
+  args.a = {x.data_ptr(), CUDA_R_32F, 16, /*transposed=*/true};
+  args.b = {dy.data_ptr(), CUDA_R_32F, 16, /*transposed=*/false};
+  args.d = main_grad.data_ptr(), args.d_type = CUDA_R_32F, args.ldd = 16;
+  args.accumulate = splitgrad::cuda::Accumulate::kAdd;
+  args.compute =
+      at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  args.workspace = at::cuda::getCUDABlasLtWorkspace();
+  args.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  const auto handle = at::cuda::getCurrentCUDABlasLtHandle();
+  const auto stream = at::cuda::getCurrentCUDAStream().stream();
+  const auto nothing = [](int64_t) {};
+  const double core = host_us_per_call(true, calls, nothing, [&](int64_t) {
+    if (!splitgrad::cuda::gemm(handle, args, stream).ok) throw std::runtime_error("gemm failed");
+  });
+  const double op = host_us_per_call(true, calls, nothing, [&](int64_t) {
+    splitgrad::ops::linear_wgrad_accumulate_(dy, x, main_grad, std::nullopt);
+  });
+  const double addmm =
+      host_us_per_call(true, calls, nothing, [&](int64_t) { main_grad.addmm_(dy.t(), x); });
+  splitgrad::Linear layer(splitgrad::LinearOptions(16, 16)
+                              .bias(false)
+                              .device(device)
+                              .delay_wgrad_compute(true)
+                              .fuse_wgrad_accumulation(true));
+  splitgrad::set_main_grad(layer->weight, torch::zeros({16, 16}, f32));
+  const torch::Tensor input = torch::randn({4, 16}, f32).requires_grad_(true);
+  const double step = host_us_per_call(
+      true, calls,
+      [&](int64_t n) {
+        for (int64_t i = 0; i < n; ++i) layer->forward(input).backward(dy);
+      },
+      [&](int64_t) { layer->backward_dw(); });
+  std::printf(
+      "\none backward_dw() from the bottom up (host us per call, 16x16, 4 tokens, fp32 "
+      "main_grad)\n");
+  std::printf("%-40s | %8s\n", "layer of the stack", "us");
+  std::printf("%-40s | %8.2f\n", "cuBLASLt core (splitgrad::cuda::gemm)", core);
+  std::printf("%-40s | %8.2f\n", "op (ops::linear_wgrad_accumulate_)", op);
+  std::printf("%-40s | %8.2f\n", "at::addmm_ (PyTorch, for scale)", addmm);
+  std::printf("%-40s | %8.2f\n", "backward_dw() (store, checks, op, ledger)", step);
+#endif
   return 0;
 }

@@ -20,13 +20,23 @@ case "${1:-build}" in
     # The system g++, as PyTorch's own extensions use: the machine's CXX may name a toolchain that
     # links libstdc++ statically, and two libstdc++ copies in one process crash on the first
     # formatted error message (locale facets registered in one copy, used from the other).
+    # nvcc's host compiler too (CUDAHOSTCXX), or CMake adds that toolchain's library folders, and
+    # its static libstdc++, to the link. The cache is dropped so the compilers are identified anew.
     compiler=()
-    if [ -x /usr/bin/g++ ]; then compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++); fi
+    if [ -x /usr/bin/g++ ]; then
+      export CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++
+      compiler=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
+      rm -rf build/gpu/CMakeCache.txt build/gpu/CMakeFiles
+    fi
     cmake -S . -B build/gpu -G Ninja "${compiler[@]}" -DSPLITGRAD_BUILD_PYTHON=ON -DSPLITGRAD_BUILD_BENCHMARKS=ON -DCMAKE_BUILD_TYPE=Release \
       -DPython3_EXECUTABLE="$(command -v python3)" > build-gpu.log 2>&1 || { cat build-gpu.log; exit 1; }
     cmake --build build/gpu -j "$(nproc)" >> build-gpu.log 2>&1 || { tail -50 build-gpu.log; exit 1; }
-    if ! readelf -d build/gpu/libsplitgrad.so | grep -q 'libstdc++'; then
+    if ! readelf -d build/gpu/libsplitgrad.so | grep -q 'libstdc++' ||
+       nm -D --defined-only build/gpu/libsplitgrad.so | grep -q ' __cxa_throw$'; then
       echo "libsplitgrad.so does not link libstdc++ dynamically (a static libstdc++ crashes with PyTorch's)"
+      readelf -d build/gpu/libsplitgrad.so | grep NEEDED
+      grep -E "CMAKE_(CXX|CUDA)_COMPILER|CMAKE_CUDA_HOST_COMPILER|CMAKE_LINKER" build/gpu/CMakeCache.txt
+      grep -A3 "^build libsplitgrad.so" build/gpu/build.ninja | head -8
       exit 1
     fi
     cmake --install build/gpu --prefix "$site" >> build-gpu.log 2>&1

@@ -1,5 +1,7 @@
 #include "cuda/cublaslt_gemm.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -102,6 +104,86 @@ PlanKey key_of(const GemmArgs& args) {
                  device};
 }
 
+// Autotuning: the heuristic's first algorithm is not always the fastest (small and skinny
+// shapes especially), so a new plan times up to kCandidates of them once, on the caller's operands
+// and a scratch output, and keeps the fastest. SPLITGRAD_CUBLASLT_AUTOTUNE=0 keeps the first.
+constexpr int kCandidates = 8;
+constexpr int kTimedRuns = 5;
+
+bool autotune_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("SPLITGRAD_CUBLASLT_AUTOTUNE");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled;
+}
+
+size_t element_bytes(cudaDataType_t type) {
+  switch (type) {
+    case CUDA_R_64F:
+      return 8;
+    case CUDA_R_32F:
+      return 4;
+    default:
+      return 2;
+  }
+}
+
+// Index of the fastest of `results` on this GEMM, or -1 if none could be timed (a stream being
+// captured into a CUDA graph cannot be synchronised: the heuristic's choice stands then).
+int fastest(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args,
+            const cublasLtMatmulHeuristicResult_t* results, int count, cudaStream_t stream) {
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess ||
+      capturing != cudaStreamCaptureStatusNone) {
+    return -1;
+  }
+  if (args.epilogue != Epilogue::kNone &&
+      cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias,
+                                     sizeof(args.bias)) != CUBLAS_STATUS_SUCCESS) {
+    return -1;
+  }
+  const size_t d_bytes = static_cast<size_t>(args.ldd) * args.n * element_bytes(args.d_type);
+  void* scratch = nullptr;
+  if (cudaMallocAsync(&scratch, std::max<size_t>(d_bytes, 1), stream) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  cudaEvent_t start = nullptr, stop = nullptr;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  const float alpha = 1.0f;
+  const float beta = args.accumulate == Accumulate::kAdd ? 1.0f : 0.0f;
+  int best = -1;
+  float best_ms = 0.0f;
+  for (int i = 0; i < count; ++i) {
+    if (results[i].state != CUBLAS_STATUS_SUCCESS ||
+        results[i].workspaceSize > args.workspace_bytes)
+      continue;
+    auto launch = [&] {
+      return cublasLtMatmul(handle, plan.desc, &alpha, args.a.data, plan.a, args.b.data, plan.b,
+                            &beta, scratch, plan.d, scratch, plan.d, &results[i].algo,
+                            args.workspace, args.workspace_bytes, stream);
+    };
+    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up, and a check that it runs
+    cudaEventRecord(start, stream);
+    bool ok = true;
+    for (int run = 0; run < kTimedRuns && ok; ++run) ok = launch() == CUBLAS_STATUS_SUCCESS;
+    cudaEventRecord(stop, stream);
+    float ms = 0.0f;
+    if (!ok || cudaEventSynchronize(stop) != cudaSuccess ||
+        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    if (best < 0 || ms < best_ms) best = i, best_ms = ms;
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaFreeAsync(scratch, stream);
+  return best;
+}
+
 #define SPLITGRAD_CUBLAS_TRY(call, what)               \
   do {                                                 \
     const cublasStatus_t status_ = (call);             \
@@ -111,7 +193,8 @@ PlanKey key_of(const GemmArgs& args) {
     }                                                  \
   } while (0)
 
-std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, const PlanKey& key) {
+std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, const PlanKey& key,
+                                cudaStream_t stream) {
   auto plan = std::make_unique<Plan>();
   const cudaDataType_t scale_type = CUDA_R_32F;
   SPLITGRAD_CUBLAS_TRY(cublasLtMatmulDescCreate(&plan->desc, args.compute, scale_type),
@@ -125,8 +208,7 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, c
       cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)),
       "setting TRANSB");
   if (args.epilogue != Epilogue::kNone) {
-    const cublasLtEpilogue_t epilogue =
-        args.epilogue == Epilogue::kBias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_BGRADB;
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
     SPLITGRAD_CUBLAS_TRY(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE,
                                                         &epilogue, sizeof(epilogue)),
                          "setting the epilogue");
@@ -166,28 +248,34 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, c
         cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)),
         "setting an operand alignment");
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCandidates]{};
   int count = 0;
-  SPLITGRAD_CUBLAS_TRY(cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d,
-                                                      plan->d, preference, 1, &result, &count),
-                       "cublasLtMatmulAlgoGetHeuristic");
+  SPLITGRAD_CUBLAS_TRY(
+      cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d,
+                                     preference, kCandidates, results, &count),
+      "cublasLtMatmulAlgoGetHeuristic");
   if (count == 0) {
     plan->status =
         GemmStatus{false, "cuBLASLt has no algorithm for this GEMM", CUBLAS_STATUS_NOT_SUPPORTED};
     return plan;
   }
-  plan->algo = result.algo;
+  plan->algo = results[0].algo;
   plan->found = true;
+  if (count > 1 && autotune_enabled()) {
+    if (const int best = fastest(handle, *plan, args, results, count, stream); best >= 0) {
+      plan->algo = results[best].algo;
+    }
+  }
   return plan;
 }
 
 #undef SPLITGRAD_CUBLAS_TRY
 
-Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args) {
+Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream) {
   const PlanKey key = key_of(args);
   auto& plans = cache();
   auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, make_plan(handle, args, key)).first;
+  if (it == plans.end()) it = plans.emplace(key, make_plan(handle, args, key, stream)).first;
   return *it->second;
 }
 
@@ -196,7 +284,7 @@ Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args) {
 GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(
       cache_mutex);  // the cached descriptor's bias pointer is per call
-  Plan& plan = plan_for(handle, args);
+  Plan& plan = plan_for(handle, args, stream);
   if (!plan.found) return plan.status;
   if (args.epilogue != Epilogue::kNone) {
     const cublasStatus_t status = cublasLtMatmulDescSetAttribute(
@@ -211,11 +299,6 @@ GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stre
       args.d, plan.d, &plan.algo, args.workspace, args.workspace_bytes, stream);
   if (status != CUBLAS_STATUS_SUCCESS) return GemmStatus{false, "cublasLtMatmul", status};
   return GemmStatus{};
-}
-
-bool gemm_supported(cublasLtHandle_t handle, const GemmArgs& args) {
-  std::lock_guard<std::mutex> lock(cache_mutex);
-  return plan_for(handle, args).found;
 }
 
 }  // namespace splitgrad::cuda

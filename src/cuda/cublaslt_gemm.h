@@ -3,8 +3,8 @@
 /// splitgrad's GEMM core on cuBLASLt: framework-free (CUDA types only), column-major as cuBLAS is.
 ///
 /// Computes D = alpha · op(A) · op(B) + beta · D, with op(X) = X or Xᵀ, and an optional epilogue:
-///   - Epilogue::kBias:      D += bias, bias of length m broadcast over the n columns (fprop's b);
-///   - Epilogue::kBiasGradB: bias_out = Σ_k op(B)[k, :], length n (wgrad's db = Σ_tokens dy).
+///   - Epilogue::kBias: D += bias, bias of length m broadcast over the n columns (fprop's b).
+/// (wgrad's db = Σ_tokens dy is cuda/bias_grad.h's: BGRADB runs as a second kernel on Hopper.)
 /// A row-major [r, c] tensor with row stride ld is, to cuBLAS, a column-major [c, r] matrix with
 /// leading dimension ld: the callers (linear_cuda.cpp) map the three linear products onto this.
 
@@ -18,8 +18,7 @@ namespace splitgrad::cuda {
 
 enum class Epilogue {
   kNone,
-  kBias,       ///< D += bias (bias: m elements, bias_type)
-  kBiasGradB,  ///< bias (n elements, bias_type) = sum of op(B) over k, written (not added)
+  kBias,  ///< D += bias (bias: m elements, bias_type)
 };
 
 /// Whether D's old contents are kept: beta = 1 adds the product to D ("+="), beta = 0 replaces it.
@@ -44,7 +43,7 @@ struct GemmArgs {
   int64_t ldd = 0;
   Accumulate accumulate = Accumulate::kOverwrite;
   Epilogue epilogue = Epilogue::kNone;
-  void* bias = nullptr;  ///< read (kBias) or written (kBiasGradB)
+  void* bias = nullptr;  ///< read by kBias
   cudaDataType_t bias_type = CUDA_R_32F;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  ///< CUBLAS_COMPUTE_32F_FAST_TF32 allows TF32
   void* workspace = nullptr;
@@ -58,14 +57,12 @@ struct GemmStatus {
   cublasStatus_t cublas = CUBLAS_STATUS_SUCCESS;
 };
 
-/// Runs one GEMM on `stream`. Descriptors and the heuristic's algorithm are cached per shape,
-/// dtypes, layouts, epilogue and operand alignment, so a repeated call costs one launch.
-/// Returns !ok (and launches nothing) when cuBLASLt has no algorithm for the combination: the
-/// caller may then fall back (for example to kNone and a separate bias reduction).
+/// Runs one GEMM on `stream`. Descriptors and the algorithm are cached per shape, dtypes, layouts,
+/// epilogue and operand alignment, so a repeated call costs one launch. The first call for a new
+/// combination times up to 8 of the heuristic's algorithms on the caller's operands and a scratch
+/// output (it waits for `stream` once) and keeps the fastest; set SPLITGRAD_CUBLASLT_AUTOTUNE=0 to
+/// keep the heuristic's first choice without timing.
+/// Returns !ok (and launches nothing) when cuBLASLt has no algorithm for the combination.
 GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream);
-
-/// Whether the last gemm() for these arguments would find an algorithm (runs the heuristic once
-/// and caches the answer; launches nothing).
-bool gemm_supported(cublasLtHandle_t handle, const GemmArgs& args);
 
 }  // namespace splitgrad::cuda

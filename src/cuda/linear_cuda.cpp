@@ -3,7 +3,10 @@
 //   fprop  y  = x·Wᵀ + b   bias added in the epilogue
 //   dgrad  dx = dy·W
 //   wgrad  dW = dyᵀ·x      written straight into its target (beta = 1 adds to main_grad or .grad),
-//          db = Σ dy       in the same GEMM's epilogue (BGRADB) where cuBLASLt allows
+//          db = Σ dy       by splitgrad's column-sum kernels (cuda/bias_grad.cu), straight into its
+//                          target too; cuBLASLt's BGRADB epilogue runs as a second, slower kernel
+//                          on Hopper and writes rather than adds, so it would need a scratch and an
+//                          add
 // Row-major [r, c] tensors are column-major [c, r] to cuBLAS; transposes are GEMM flags, not
 // copies.
 #include <ATen/ATen.h>
@@ -12,6 +15,7 @@
 #include <torch/library.h>
 
 #include "aten/linear_aten.h"
+#include "cuda/bias_grad.h"
 #include "cuda/cublaslt_gemm.h"
 #include "ops/checks.h"
 
@@ -90,9 +94,52 @@ void run(GemmArgs& args, const char* what, const at::Tensor& a, const at::Tensor
               "), m=", args.m, " n=", args.n, " k=", args.k);
 }
 
-bool supported(GemmArgs& args) {
-  args.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
-  return cuda::gemm_supported(at::cuda::getCurrentCUDABlasLtHandle(), args);
+cuda::BiasGradType bias_grad_type(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return cuda::BiasGradType::kFloat32;
+    case at::kBFloat16:
+      return cuda::BiasGradType::kBFloat16;
+    case at::kHalf:
+      return cuda::BiasGradType::kFloat16;
+    default:
+      TORCH_CHECK_TYPE(false, "splitgrad bias gradient kernel: unsupported dtype ",
+                       detail::dtype_name(type));
+  }
+}
+
+// db = Σ_tokens dy into `target` ([features], contiguous, a covered dtype): written, or added
+// (rounded to the target's dtype first, as `target.add_(db)` would). Partial sums live in the
+// cuBLASLt workspace of the current stream when it is large enough (stream order keeps them
+// apart from the GEMMs'), else in a fresh buffer.
+void reduce_bias_grad(const at::Tensor& dy, const at::Tensor& target, Accumulate accumulate) {
+  const at::Tensor rows = dy.stride(1) == 1 || dy.size(1) <= 1 ? dy : dy.contiguous();
+  cuda::BiasGradArgs args;
+  args.dy = rows.data_ptr();
+  args.dy_type = bias_grad_type(rows.scalar_type());
+  args.tokens = rows.size(0), args.features = rows.size(1);
+  args.ld = std::max<int64_t>({rows.stride(0), rows.size(1), 1});
+  args.target = target.data_ptr();
+  args.target_type = bias_grad_type(target.scalar_type());
+  args.accumulate = accumulate == Accumulate::kAdd;
+  const size_t bytes = cuda::bias_grad_workspace_bytes(args.tokens, args.features);
+  at::Tensor scratch;
+  if (bytes <= at::cuda::getCUDABlasLtWorkspaceSize()) {
+    args.workspace = static_cast<float*>(at::cuda::getCUDABlasLtWorkspace());
+  } else {
+    scratch =
+        at::empty({static_cast<int64_t>(bytes / sizeof(float))}, dy.options().dtype(at::kFloat));
+    args.workspace = scratch.data_ptr<float>();
+  }
+  const cudaError_t error = cuda::bias_grad(args, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(error == cudaSuccess, "splitgrad bias gradient kernel failed (",
+              cudaGetErrorString(error), ") for grad_output of shape ", dy.sizes(), " (",
+              dy.scalar_type(), ") into a ", target.scalar_type(), " bias gradient");
+}
+
+// Whether the bias kernel can write `target` directly (else ATen sums).
+bool bias_target_direct(const at::Tensor& target) {
+  return covered(target.scalar_type()) && target.dim() == 1 && target.is_contiguous();
 }
 
 at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
@@ -153,13 +200,10 @@ at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight)
   return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
 }
 
-// dW (into `weight_target`, row-major [out, in]) and optionally db (into `bias_target`), by one
-// GEMM D (col-major [in, out]) = op(A) [in, tokens] · op(B) [tokens, out], A = xᵀ, B = dy, whose
-// BGRADB epilogue writes Σ_tokens dy. `accumulate` adds to the weight target; db is always written,
-// so callers that accumulate the bias pass a scratch buffer and add it themselves. Returns false if
-// the bias could not be fused (the caller then reduces dy itself).
-bool wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight_target,
-                Accumulate accumulate, const at::Tensor& bias_target) {
+// dW into `weight_target` (row-major [out, in]) by one GEMM D (col-major [in, out]) = op(A)
+// [in, tokens] · op(B) [tokens, out], A = xᵀ, B = dy; `accumulate` adds to the target (beta = 1).
+void wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight_target,
+                Accumulate accumulate) {
   at::Tensor a_storage, b_storage;
   GemmArgs args;
   args.m = x.size(1), args.n = dy.size(1), args.k = dy.size(0);
@@ -170,19 +214,7 @@ bool wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& wei
   args.ldd = row_major_ld(weight_target);
   args.accumulate = accumulate;
   args.compute = compute_type(dy.scalar_type());
-  bool bias_fused = false;
-  if (bias_target.defined()) {
-    GemmArgs with_bias = args;
-    with_bias.epilogue = Epilogue::kBiasGradB;
-    with_bias.bias = bias_target.data_ptr();
-    with_bias.bias_type = cuda_type(bias_target.scalar_type());
-    if (supported(with_bias)) {
-      args = with_bias;
-      bias_fused = true;
-    }
-  }
   run(args, "wgrad", dy, x);
-  return bias_fused || !bias_target.defined();
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
@@ -199,11 +231,10 @@ std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
   at::Tensor bias_grad = at::empty({compute_bias_grad ? out : 0}, input.options());
   if (out == 0 || in == 0 || dy.size(0) == 0) {  // nothing to multiply: the sums are zero
     weight_grad.zero_();
-    bias_grad.zero_();
-  } else if (!wgrad_gemm(dy, x, weight_grad, Accumulate::kOverwrite,
-                         compute_bias_grad ? bias_grad : at::Tensor())) {
-    at::sum_out(bias_grad, dy, {0});
+  } else {
+    wgrad_gemm(dy, x, weight_grad, Accumulate::kOverwrite);
   }
+  if (compute_bias_grad) reduce_bias_grad(dy, bias_grad, Accumulate::kOverwrite);
   return {weight_grad, bias_grad};
 }
 
@@ -223,21 +254,13 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
   const at::Tensor dy = detail::flatten_tokens(grad_output);
   const at::Tensor x = detail::flatten_tokens(input);
   if (dy.size(0) == 0 || dy.size(1) == 0) return;  // adds zero
-  // The bias gradient by a reduction of its own, summed in the target's dtype.
-  auto add_reduced_bias_grad = [&] {
-    if (want_bias) bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
-  };
-  if (!want_weight || x.size(1) == 0) {  // frozen weight, or no weight product to form
-    add_reduced_bias_grad();
-    return;
-  }
-  // BGRADB writes rather than adds: db lands in scratch of the target's dtype, then one tiny add.
-  at::Tensor bias_scratch =
-      want_bias ? at::empty({dy.size(1)}, bias_grad->options()) : at::Tensor();
-  if (wgrad_gemm(dy, x, *weight_grad, Accumulate::kAdd, bias_scratch)) {
-    if (want_bias) bias_grad->add_(bias_scratch);
-  } else {
-    add_reduced_bias_grad();
+  if (want_weight && x.size(1) > 0) wgrad_gemm(dy, x, *weight_grad, Accumulate::kAdd);
+  if (want_bias) {
+    if (bias_target_direct(*bias_grad)) {
+      reduce_bias_grad(dy, *bias_grad, Accumulate::kAdd);
+    } else {  // a strided or other-dtype target: ATen's sum, added in the target's dtype
+      bias_grad->add_(at::sum(dy, {0}, /*keepdim=*/false, bias_grad->scalar_type()));
+    }
   }
 }
 

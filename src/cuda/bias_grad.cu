@@ -1,0 +1,206 @@
+// db = Σ_tokens dy: a deterministic column sum in two launches (see bias_grad.h).
+//   column_partial_sums: block (32 x 8 threads) = 256 columns x `rows_per_block` rows; each thread
+//     owns 8 adjacent columns and every 8th row of the block's rows, summing in fp32 registers;
+//     the 8 row lanes are then added in order through shared memory -> partials[chunk][column].
+//   finish_column_sums: one thread per column adds the chunks' partials in order, then writes
+//     target = sum, or target += sum rounded first to the target's type (as `grad.add_(db)` would,
+//     so deferred and immediate bias gradients are bit-identical).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <mutex>
+#include <vector>
+
+#include "cuda/bias_grad.h"
+
+namespace splitgrad::cuda {
+namespace {
+
+constexpr int kColsPerThread = 8;
+constexpr int kThreadsX = 32;
+constexpr int kRowLanes = 8;
+constexpr int kColsPerBlock = kColsPerThread * kThreadsX;  // 256
+constexpr int kFinishThreads = 256;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+  return __float2bfloat16(v);
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) {
+  return __float2half(v);
+}
+
+// Adds 8 adjacent elements starting at `p` (16-byte aligned) into acc, with 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void add8_vectorized(const T* p, float (&acc)[kColsPerThread]) {
+  constexpr int kPerLoad = 16 / sizeof(T);
+  static_assert(kColsPerThread % kPerLoad == 0, "whole 16-byte loads");
+#pragma unroll
+  for (int part = 0; part < kColsPerThread / kPerLoad; ++part) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p) + part);
+    const T* values = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < kPerLoad; ++j) acc[part * kPerLoad + j] += to_float(values[j]);
+  }
+}
+
+template <typename T>
+__global__ void column_partial_sums(const T* __restrict__ dy, int64_t tokens, int64_t features,
+                                    int64_t ld, int64_t rows_per_block, bool vectorized,
+                                    float* __restrict__ partials) {
+  const int64_t col0 =
+      (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kColsPerThread;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row_end = min(tokens, row_begin + rows_per_block);
+  float acc[kColsPerThread] = {};
+  // Two loops rather than a branch per row, so the vectorised one unrolls into 8 loads in flight.
+  if (vectorized && col0 + kColsPerThread <= features) {
+#pragma unroll 8
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kRowLanes) {
+      add8_vectorized(dy + r * ld + col0, acc);
+    }
+  } else if (col0 < features) {
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kRowLanes) {
+      const T* row = dy + r * ld + col0;
+#pragma unroll
+      for (int j = 0; j < kColsPerThread; ++j) {
+        if (col0 + j < features) acc[j] += to_float(row[j]);
+      }
+    }
+  }
+  // lanes[y][c]: row lane y's sum of the block's column c; +1 breaks the 8-way bank conflicts.
+  __shared__ float lanes[kRowLanes][kColsPerBlock + 1];
+#pragma unroll
+  for (int j = 0; j < kColsPerThread; ++j)
+    lanes[threadIdx.y][threadIdx.x * kColsPerThread + j] = acc[j];
+  __syncthreads();
+  const int c = threadIdx.y * kThreadsX + threadIdx.x;  // 0..255: one column per thread
+  float sum = 0.0f;
+#pragma unroll
+  for (int y = 0; y < kRowLanes; ++y) sum += lanes[y][c];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColsPerBlock + c;
+  if (col < features) partials[static_cast<int64_t>(blockIdx.y) * features + col] = sum;
+}
+
+template <typename Out>
+__global__ void finish_column_sums(const float* __restrict__ partials, int64_t chunks,
+                                   int64_t features, Out* __restrict__ target, bool accumulate) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col >= features) return;
+  float sum = 0.0f;
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) sum += partials[chunk * features + col];
+  const Out rounded = from_float<Out>(sum);
+  target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
+}
+
+template <typename Out>
+__global__ void fill_zero_or_keep(int64_t features, Out* target, bool accumulate) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (col < features && !accumulate) target[col] = from_float<Out>(0.0f);
+}
+
+int multiprocessors() {
+  static std::mutex mutex;
+  static std::vector<int> counts;
+  int device = 0;
+  cudaGetDevice(&device);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (static_cast<int>(counts.size()) <= device) counts.resize(device + 1, 0);
+  if (counts[device] == 0) {
+    int count = 0;
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    counts[device] = std::max(count, 1);
+  }
+  return counts[device];
+}
+
+struct Tiling {
+  int64_t column_blocks, chunks, rows_per_block;
+};
+
+Tiling tiling_for(int64_t tokens, int64_t features) {
+  Tiling t;
+  t.column_blocks = (features + kColsPerBlock - 1) / kColsPerBlock;
+  // About eight blocks (2048 threads) per SM in all, to keep enough loads in flight; each chunk
+  // a multiple of the 8 row lanes.
+  const int64_t wanted_blocks = 8 * static_cast<int64_t>(multiprocessors());
+  const int64_t max_chunks = std::max<int64_t>(1, (tokens + kRowLanes - 1) / kRowLanes);
+  const int64_t chunks =
+      std::clamp<int64_t>((wanted_blocks + t.column_blocks - 1) / t.column_blocks, 1, max_chunks);
+  const int64_t rows = (tokens + chunks - 1) / chunks;
+  t.rows_per_block = std::max<int64_t>(kRowLanes, (rows + kRowLanes - 1) / kRowLanes * kRowLanes);
+  t.chunks = std::max<int64_t>(1, (tokens + t.rows_per_block - 1) / t.rows_per_block);
+  return t;
+}
+
+template <typename T, typename Out>
+cudaError_t launch(const BiasGradArgs& a, cudaStream_t stream) {
+  const int finish_blocks = static_cast<int>((a.features + kFinishThreads - 1) / kFinishThreads);
+  if (a.tokens == 0) {
+    fill_zero_or_keep<Out><<<finish_blocks, kFinishThreads, 0, stream>>>(
+        a.features, static_cast<Out*>(a.target), a.accumulate);
+    return cudaGetLastError();
+  }
+  const Tiling t = tiling_for(a.tokens, a.features);
+  const bool vectorized = reinterpret_cast<uintptr_t>(a.dy) % 16 == 0 &&
+                          (a.ld * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const dim3 grid(static_cast<unsigned>(t.column_blocks), static_cast<unsigned>(t.chunks));
+  const dim3 block(kThreadsX, kRowLanes);
+  column_partial_sums<T><<<grid, block, 0, stream>>>(static_cast<const T*>(a.dy), a.tokens,
+                                                     a.features, a.ld, t.rows_per_block, vectorized,
+                                                     a.workspace);
+  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  finish_column_sums<Out><<<finish_blocks, kFinishThreads, 0, stream>>>(
+      a.workspace, t.chunks, a.features, static_cast<Out*>(a.target), a.accumulate);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t launch_for_input(const BiasGradArgs& a, cudaStream_t stream) {
+  switch (a.target_type) {
+    case BiasGradType::kFloat32:
+      return launch<T, float>(a, stream);
+    case BiasGradType::kBFloat16:
+      return launch<T, __nv_bfloat16>(a, stream);
+    case BiasGradType::kFloat16:
+      return launch<T, __half>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features) {
+  if (tokens == 0 || features == 0) return 0;
+  return static_cast<size_t>(tiling_for(tokens, features).chunks * features) * sizeof(float);
+}
+
+cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream) {
+  if (args.features == 0) return cudaSuccess;
+  if (args.tokens < 0 || args.features < 0 || (args.tokens > 0 && args.ld < args.features)) {
+    return cudaErrorInvalidValue;
+  }
+  switch (args.dy_type) {
+    case BiasGradType::kFloat32:
+      return launch_for_input<float>(args, stream);
+    case BiasGradType::kBFloat16:
+      return launch_for_input<__nv_bfloat16>(args, stream);
+    case BiasGradType::kFloat16:
+      return launch_for_input<__half>(args, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace splitgrad::cuda

@@ -1,0 +1,41 @@
+#pragma once
+/// \file bias_grad.h
+/// The bias gradient of a linear layer, db = Σ_tokens dy, as a column sum of dy: framework-free
+/// (pointers and a stream), deterministic (fixed summation order, no atomics), fp32 accumulation.
+///
+/// Two launches: each block sums a tile of `rows_per_block` rows x 256 columns into fp32
+/// partial sums (16-byte loads where dy's rows allow), then one thread per column adds the
+/// partials in order and writes `target = sum` or `target += sum`. It reads dy once, at the copy
+/// bandwidth, and needs `bias_grad_workspace_bytes()` of scratch.
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace splitgrad::cuda {
+
+/// Element types the kernels take (dy's, and the target's).
+enum class BiasGradType { kFloat32, kBFloat16, kFloat16 };
+
+/// Arguments of bias_grad().
+struct BiasGradArgs {
+  const void* dy = nullptr;  ///< [tokens, features], row-major, row stride `ld` (elements)
+  BiasGradType dy_type = BiasGradType::kFloat32;
+  int64_t tokens = 0;
+  int64_t features = 0;
+  int64_t ld = 0;
+  void* target = nullptr;  ///< [features], contiguous
+  BiasGradType target_type = BiasGradType::kFloat32;
+  bool accumulate = false;     ///< `target += Σ dy` (true) or `target = Σ dy` (false)
+  float* workspace = nullptr;  ///< at least bias_grad_workspace_bytes(tokens, features)
+};
+
+/// Scratch bytes bias_grad() needs for these sizes (fp32 partial sums).
+size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features);
+
+/// Launches the two kernels on `stream`; returns the launch's error (cudaSuccess if none).
+/// tokens == 0 writes zeros (or adds nothing); features == 0 launches nothing.
+cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream);
+
+}  // namespace splitgrad::cuda
