@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import BF16_PEAK_TFLOPS, device_description, peak_memory_bytes, print_table, tflops, time_cuda, write_results  # noqa: E402
+from common import BF16_PEAK_TFLOPS, device_description, peak_memory_bytes, print_table, tflops, time_side_by_side, write_results  # noqa: E402
 
 import splitgrad  # noqa: E402,F401  (registers torch.ops.splitgrad)
 
@@ -39,52 +39,73 @@ def shapes(quick: bool):
     return square + llama + skinny + moe
 
 
-def wgrad_variants(dy, x, main_grad, bias_main_grad, with_bias):
-    """The contenders, each accumulating into the same buffers."""
-    def splitgrad_fused():
-        WGRAD(dy, x, main_grad, bias_main_grad if with_bias else None)
+def wgrad_variants(dy, x, main_grad, bias_main_grad):
+    """The contenders, each accumulating into the same buffers: without the bias gradient, with
+    it ("+b"), and the bias gradient alone (splitgrad's column-sum kernel against dy.sum)."""
+    no_weight = x[:, :0]  # a product with no columns: splitgrad then runs only the bias kernel
+    no_weight_grad = main_grad[:, :0]
 
-    def floor_mm():
-        torch.mm(dy.t(), x)
-
-    def mm_then_add():
+    def mm_then_add(with_bias):
         main_grad.add_(torch.mm(dy.t(), x))
         if with_bias:
             bias_main_grad.add_(dy.sum(0))
 
-    def addmm_out_dtype():
+    def addmm(with_bias):
         torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
         if with_bias:
             bias_main_grad.add_(dy.sum(0, dtype=torch.float32))
 
-    return {"splitgrad": splitgrad_fused, "(a) bf16 mm": floor_mm, "(b) mm+add_": mm_then_add, "(c) addmm": addmm_out_dtype}
+    return {
+        "splitgrad": lambda: WGRAD(dy, x, main_grad, None),
+        "splitgrad+b": lambda: WGRAD(dy, x, main_grad, bias_main_grad),
+        "(a) bf16 mm": lambda: torch.mm(dy.t(), x),
+        "(b) mm+add_": lambda: mm_then_add(False),
+        "(b) mm+add_+b": lambda: mm_then_add(True),
+        "(c) addmm": lambda: addmm(False),
+        "(c) addmm+b": lambda: addmm(True),
+        "bias kernel": lambda: WGRAD(dy, no_weight, no_weight_grad, bias_main_grad),
+        "dy.sum+add_": lambda: bias_main_grad.add_(dy.sum(0, dtype=torch.float32)),
+    }
 
 
 def bench_wgrad(args, results):
-    rows = []
-    cases = [(s, b) for s in shapes(args.quick) for b in (False, True)]
-    for (label, tokens, fin, fout), with_bias in tqdm(cases, desc="wgrad into fp32 main_grad", unit="shape"):
+    rows, bias_rows = [], []
+    for label, tokens, fin, fout in tqdm(shapes(args.quick), desc="wgrad into fp32 main_grad", unit="shape"):
         x = torch.randn(tokens, fin, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
         main_grad = torch.zeros(fout, fin, device="cuda")
         bias_main_grad = torch.zeros(fout, device="cuda")
-        variants = wgrad_variants(dy, x, main_grad, bias_main_grad, with_bias)
-        times = {name: time_cuda(fn) for name, fn in variants.items()}
-        memory = {name: peak_memory_bytes(fn) for name, fn in variants.items()}
+        variants = wgrad_variants(dy, x, main_grad, bias_main_grad)
+        t = time_side_by_side(variants)
+        memory = {name: peak_memory_bytes(variants[name]) for name in ("splitgrad", "splitgrad+b", "(b) mm+add_")}
         flop = 2.0 * tokens * fin * fout
-        ours = times["splitgrad"]
-        rows.append([
-            label, tokens, "yes" if with_bias else "no",
-            f"{ours * 1e3:.1f}", f"{tflops(flop, ours):.0f}", f"{100 * tflops(flop, ours) / BF16_PEAK_TFLOPS:.0f}%",
-            f"{ours / times['(a) bf16 mm']:.3f}", f"{ours / times['(b) mm+add_']:.3f}", f"{ours / times['(c) addmm']:.3f}",
-            f"{memory['splitgrad'] / 2**20:.1f}", f"{memory['(b) mm+add_'] / 2**20:.1f}",
+        for with_bias in (False, True):
+            suffix = "+b" if with_bias else ""
+            ours = t["splitgrad" + suffix]
+            rows.append([
+                label, tokens, "yes" if with_bias else "no",
+                f"{ours * 1e3:.1f}", f"{tflops(flop, ours):.0f}", f"{100 * tflops(flop, ours) / BF16_PEAK_TFLOPS:.0f}%",
+                f"{ours / t['(a) bf16 mm']:.3f}", f"{ours / t['(b) mm+add_' + suffix]:.3f}",
+                f"{ours / t['(c) addmm' + suffix]:.3f}", f"{memory['splitgrad' + suffix] / 2**20:.1f}",
+                f"{memory['(b) mm+add_'] / 2**20:.1f}",
+            ])
+        dy_bytes = dy.numel() * dy.element_size()
+        bias_rows.append([
+            label, tokens, f"{100 * (t['splitgrad+b'] / t['splitgrad'] - 1):+.1f}%",
+            f"{t['bias kernel'] * 1e3:.1f}", f"{dy_bytes / (t['bias kernel'] * 1e-3) / 1e9:.0f}",
+            f"{t['bias kernel'] / t['dy.sum+add_']:.3f}", f"{100 * t['bias kernel'] / t['splitgrad']:.1f}%",
         ])
-        results["wgrad"].append({"shape": label, "tokens": tokens, "in": fin, "out": fout, "bias": with_bias,
-                                 "ms": times, "peak_bytes": memory})
+        results["wgrad"].append({"shape": label, "tokens": tokens, "in": fin, "out": fout, "ms": t, "peak_bytes": memory})
         del x, dy, main_grad, bias_main_grad
     columns = ["shape", "tokens", "bias", "splitgrad µs", "TFLOP/s", "% peak", "vs (a) mm", "vs (b) mm+add_",
                "vs (c) addmm", "extra MiB", "(b) extra MiB"]
-    return print_table("wgrad into fp32 main_grad (bf16 inputs): time ratios < 1 mean splitgrad is faster", columns, rows)
+    bias_columns = ["shape", "tokens", "with bias vs without", "bias kernel µs", "GB/s read", "vs dy.sum+add_",
+                    "kernel / GEMM"]
+    return "\n\n".join([
+        print_table("wgrad into fp32 main_grad (bf16 inputs): time ratios < 1 mean splitgrad is faster", columns, rows),
+        print_table("the bias gradient: splitgrad with it vs without it, and its column-sum kernel alone", bias_columns,
+                    bias_rows),
+    ])
 
 
 def bench_microbatches(args, results):
@@ -107,7 +128,8 @@ def bench_microbatches(args, results):
             for dy, x in zip(dys, xs):
                 main_grad.add_(torch.mm(dy.t(), x))
 
-        t_ours, t_addmm, t_mm_add = time_cuda(ours, min_ms=30), time_cuda(addmm, min_ms=30), time_cuda(mm_add, min_ms=30)
+        t = time_side_by_side({"ours": ours, "addmm": addmm, "mm_add": mm_add}, min_ms=30)
+        t_ours, t_addmm, t_mm_add = t["ours"], t["addmm"], t["mm_add"]
         rows.append([label, count, f"{t_ours * 1e3:.0f}", f"{t_ours / t_addmm:.3f}", f"{t_ours / t_mm_add:.3f}"])
         results["microbatches"].append({"shape": label, "micro_batches": count, "ms": {"splitgrad": t_ours, "addmm": t_addmm, "mm+add_": t_mm_add}})
         del xs, dys, main_grad
@@ -121,14 +143,14 @@ def bench_fprop_dgrad(args, results):
         w = torch.randn(fout, fin, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(fout, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16)
-        t = {
-            "fprop": time_cuda(lambda: torch.ops.splitgrad.linear_fprop(x, w, None)),
-            "F.linear": time_cuda(lambda: F.linear(x, w)),
-            "fprop+bias": time_cuda(lambda: torch.ops.splitgrad.linear_fprop(x, w, b)),
-            "F.linear+bias": time_cuda(lambda: F.linear(x, w, b)),
-            "dgrad": time_cuda(lambda: torch.ops.splitgrad.linear_dgrad(dy, w)),
-            "matmul": time_cuda(lambda: torch.matmul(dy, w)),
-        }
+        t = time_side_by_side({
+            "fprop": lambda: torch.ops.splitgrad.linear_fprop(x, w, None),
+            "F.linear": lambda: F.linear(x, w),
+            "fprop+bias": lambda: torch.ops.splitgrad.linear_fprop(x, w, b),
+            "F.linear+bias": lambda: F.linear(x, w, b),
+            "dgrad": lambda: torch.ops.splitgrad.linear_dgrad(dy, w),
+            "matmul": lambda: torch.matmul(dy, w),
+        })
         flop = 2.0 * tokens * fin * fout
         rows.append([label, tokens, f"{t['fprop'] * 1e3:.1f}", f"{tflops(flop, t['fprop']):.0f}", f"{t['fprop'] / t['F.linear']:.3f}",
                      f"{t['fprop+bias'] / t['F.linear+bias']:.3f}", f"{t['dgrad'] * 1e3:.1f}", f"{t['dgrad'] / t['matmul']:.3f}"])

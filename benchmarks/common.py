@@ -14,26 +14,70 @@ import torch
 BF16_PEAK_TFLOPS = 989.0
 
 
-def time_cuda(fn: Callable[[], object], warmup: int = 3, min_ms: float = 60.0, max_reps: int = 200) -> float:
-    """Median milliseconds of fn() over repetitions timed with CUDA events (after a warm-up)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end), 1e-3)
-    reps = int(min(max_reps, max(5, min_ms / estimate)))
-    times = []
-    for _ in range(reps):
+_SLEEP_CYCLES_PER_MS: float | None = None
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles per millisecond of torch.cuda._sleep (measured once)."""
+    global _SLEEP_CYCLES_PER_MS
+    if _SLEEP_CYCLES_PER_MS is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # warm-up
         start.record()
-        fn()
+        torch.cuda._sleep(10_000_000)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        _SLEEP_CYCLES_PER_MS = 10_000_000 / max(start.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS
+
+
+def time_side_by_side(fns: dict[str, Callable[[], object]], warmup: int = 3, min_ms: float = 60.0,
+                      max_reps: int = 200) -> dict[str, float]:
+    """Median device milliseconds of each fn(), timed with CUDA events in interleaved rounds.
+
+    Device time, not host time: before each timed call the GPU is kept busy by a sleep kernel
+    longer than the call's host work, so the start event, the call's kernels and the end event
+    are all queued before the GPU reaches them (launch latency and Python overhead, which host
+    benchmarks measure, stay out). Rounds run every contender once, in a rotating order, so clock
+    and thermal drift touch all of them alike and the ratios of one run are comparable.
+    """
+    names = list(fns)
+    host_ms = {}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        fns[name]()
+        host_ms[name] = (time.perf_counter() - began) * 1e3
+        torch.cuda.synchronize()
+    cycles_per_ms = _sleep_cycles_per_ms()
+
+    def timed_round(order):
+        events = []
+        for name in order:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(int(cycles_per_ms * (2.0 * host_ms[name] + 0.05)))
+            start.record()
+            fns[name]()
+            end.record()
+            events.append((name, start, end))
+        torch.cuda.synchronize()
+        return {name: start.elapsed_time(end) for name, start, end in events}
+
+    estimate = timed_round(names)
+    reps = int(min(max_reps, max(5, min_ms / max(max(estimate.values()), 1e-3))))
+    samples = {name: [] for name in names}
+    for rep in range(reps):
+        shift = rep % len(names)
+        for name, ms in timed_round(names[shift:] + names[:shift]).items():
+            samples[name].append(ms)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 3, min_ms: float = 60.0, max_reps: int = 200) -> float:
+    """Median device milliseconds of fn() (time_side_by_side with one contender)."""
+    return time_side_by_side({"fn": fn}, warmup, min_ms, max_reps)["fn"]
 
 
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
