@@ -5,7 +5,9 @@
 // (untimed), so a full launch queue never makes the host wait.
 //
 // Then where one backward_dw() spends its time (CUDA): the same wgrad through each layer of the
-// stack, from the bottom up:
+// stack, from the bottom up, above two floors of this machine:
+//   cudaMemsetAsync    one 4-byte memset queued through the CUDA driver (the cost of any launch)
+//   Tensor::zero_      one tiny PyTorch kernel launch (dispatcher + launch)
 //   cuBLASLt core      splitgrad::cuda::gemm with prepared arguments (plan cache + cublasLtMatmul)
 //   op                 splitgrad::ops::linear_wgrad_accumulate_ (dispatcher, checks, views, core)
 //   at::addmm_         PyTorch's in-place alternative, for scale
@@ -137,6 +139,12 @@ int main(int argc, char** argv) {
   const auto handle = at::cuda::getCurrentCUDABlasLtHandle();
   const auto stream = at::cuda::getCurrentCUDAStream().stream();
   const auto nothing = [](int64_t) {};
+  torch::Tensor scratch = torch::zeros({1}, f32);
+  const double memset = host_us_per_call(true, calls, nothing, [&](int64_t) {
+    if (cudaMemsetAsync(scratch.data_ptr(), 0, 4, stream) != cudaSuccess)
+      throw std::runtime_error("cudaMemsetAsync failed");
+  });
+  const double zero = host_us_per_call(true, calls, nothing, [&](int64_t) { scratch.zero_(); });
   const double core = host_us_per_call(true, calls, nothing, [&](int64_t) {
     if (!splitgrad::cuda::gemm(handle, args, stream).ok) throw std::runtime_error("gemm failed");
   });
@@ -162,6 +170,8 @@ int main(int argc, char** argv) {
       "\none backward_dw() from the bottom up (host us per call, 16x16, 4 tokens, fp32 "
       "main_grad)\n");
   std::printf("%-40s | %8s\n", "layer of the stack", "us");
+  std::printf("%-40s | %8.2f\n", "cudaMemsetAsync (one driver launch)", memset);
+  std::printf("%-40s | %8.2f\n", "Tensor::zero_ (one PyTorch kernel)", zero);
   std::printf("%-40s | %8.2f\n", "cuBLASLt core (splitgrad::cuda::gemm)", core);
   std::printf("%-40s | %8.2f\n", "op (ops::linear_wgrad_accumulate_)", op);
   std::printf("%-40s | %8.2f\n", "at::addmm_ (PyTorch, for scale)", addmm);
