@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import sys
 import time
 
@@ -24,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import device_description, host_seconds, peak_memory_bytes, print_table, time_cuda, write_results  # noqa: E402
+from common import device_description, host_seconds, peak_memory_bytes, print_table, time_side_by_side, write_results  # noqa: E402
 
 import splitgrad  # noqa: E402
 
@@ -62,13 +63,14 @@ def bench_mlp(args, results):
     rows = []
     device = torch.device("cuda")
     x = torch.randn(args.tokens, args.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
-    times, memory = {}, {}
-    for kind in tqdm(["delayed", "regular", "plain"], desc="MLP training step", unit="variant"):
-        layers = mlp_layers(kind, args.hidden, args.layers, device)
-        times[kind] = time_cuda(lambda: mlp_step(kind, layers, x), min_ms=300)
-        memory[kind] = peak_memory_bytes(lambda: mlp_step(kind, layers, x))
-        del layers
-        torch.cuda.empty_cache()
+    kinds = ["delayed", "regular", "plain"]
+    stacks = {kind: mlp_layers(kind, args.hidden, args.layers, device) for kind in kinds}
+    steps = {kind: functools.partial(mlp_step, kind, stacks[kind], x) for kind in kinds}
+    print("MLP training step: timing the three variants side by side", flush=True)
+    times = time_side_by_side(steps, min_ms=300)
+    memory = {kind: peak_memory_bytes(steps[kind]) for kind in tqdm(kinds, desc="MLP step peak memory", unit="variant")}
+    del stacks, steps
+    torch.cuda.empty_cache()
     flop = 3 * 2.0 * args.tokens * args.hidden * args.hidden * args.layers
     for kind in ("delayed", "regular", "plain"):
         rows.append([kind, f"{times[kind]:.2f}", f"{flop / (times[kind] * 1e-3) / 1e12:.0f}",

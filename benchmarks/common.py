@@ -75,11 +75,6 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], warmup: int = 3, min
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def time_cuda(fn: Callable[[], object], warmup: int = 3, min_ms: float = 60.0, max_reps: int = 200) -> float:
-    """Median device milliseconds of fn() (time_side_by_side with one contender)."""
-    return time_side_by_side({"fn": fn}, warmup, min_ms, max_reps)["fn"]
-
-
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
     """Bytes allocated above the starting level at the peak of one fn() call."""
     torch.cuda.synchronize()
