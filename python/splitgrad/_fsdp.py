@@ -23,7 +23,9 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as _torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -152,6 +154,10 @@ def _step_pre_hook(optimizer, args, kwargs) -> None:
 _step_hook_installed = False
 
 
+def _gloo_only_default_group() -> bool:
+    return dist.is_initialized() and dist.get_backend() == dist.Backend.GLOO
+
+
 def fully_shard(module: nn.Module | list[nn.Module], **kwargs):
     """``torch.distributed.fsdp.fully_shard(module, **kwargs)`` for modules with delayed splitgrad
     layers: a parameter group that is owed deferred wgrad work reduce-scatters after the last
@@ -163,6 +169,10 @@ def fully_shard(module: nn.Module | list[nn.Module], **kwargs):
 
     ``fuse_wgrad_accumulation`` (``main_grad``) is refused: under FSDP the gradients live in FSDP's
     buffers.
+
+    Without a ``mesh``, the default process group's backend picks its device: a gloo-only group
+    gets a CPU mesh over all ranks (torch's default would be the accelerator's, whichever backend
+    the group has, and fail on a machine with fewer GPUs than ranks); others get torch's default.
     """
     global _step_hook_installed
     for m in module if isinstance(module, list) else [module]:
@@ -172,6 +182,8 @@ def fully_shard(module: nn.Module | list[nn.Module], **kwargs):
                     f"splitgrad.distributed.fully_shard: layer '{layer.name}' has "
                     "fuse_wgrad_accumulation=True; under FSDP the gradients live in FSDP's buffers, "
                     "so build it with fuse_wgrad_accumulation=False")
+    if kwargs.get("mesh") is None and _gloo_only_default_group():
+        kwargs["mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
     sharded = _torch_fully_shard(module, **kwargs)
     state_owner = sharded[0] if isinstance(sharded, list) else sharded
     if state_owner._get_fsdp_state()._fsdp_param_group is not None:
