@@ -268,9 +268,11 @@ def case_mixed_precision(rank, world):
 def case_torch_fully_shard_loses_deferred_grads(rank, world):
     """Why splitgrad's fully_shard exists: under torch's own, the deferred weight gradients land
     in the unsharded parameters after FSDP reduced, and the sharded gradients never get them."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    model = shard(LM(), fully_shard=torch_fully_shard)
+    # a CPU mesh, as splitgrad's fully_shard picks for gloo (torch's default is the accelerator's)
+    model = shard(LM(), fully_shard=torch_fully_shard, mesh=init_device_mesh("cpu", (world,)))
     ids, targets = rank_data(0, world)[rank][0]
     lm_loss(model, ids, targets).backward()
     splitgrad.backward_dw_all()
