@@ -2,7 +2,8 @@
 //   column_partial_sums: block (32 x 8 threads) = 256 columns x `rows_per_block` rows; each thread
 //     owns 8 adjacent columns and every 8th row of the block's rows, summing in fp32 registers;
 //     the 8 row lanes are then added in order through shared memory -> partials[chunk][column].
-//   finish_column_sums: one thread per column adds the chunks' partials in order, then writes
+//   finish_column_sums: 8 row lanes per column add every 8th chunk's partials, then the lanes are
+//     added in order (a fixed order: deterministic), and the sum written
 //     target = sum, or target += sum rounded first to the target's type (as `grad.add_(db)` would,
 //     so deferred and immediate bias gradients are bit-identical).
 #include <cuda_bf16.h>
@@ -21,7 +22,8 @@ constexpr int kColsPerThread = 8;
 constexpr int kThreadsX = 32;
 constexpr int kRowLanes = 8;
 constexpr int kColsPerBlock = kColsPerThread * kThreadsX;  // 256
-constexpr int kFinishThreads = 256;
+constexpr int kMinRowsPerBlock = 64;                       // 8 rows per thread
+constexpr int kFillThreads = 256;
 
 __device__ __forceinline__ float to_float(float v) { return v; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -94,14 +96,27 @@ __global__ void column_partial_sums(const T* __restrict__ dy, int64_t tokens, in
   if (col < features) partials[static_cast<int64_t>(blockIdx.y) * features + col] = sum;
 }
 
+// Block (32 x 8 threads) = 32 columns: row lane y adds the partials of chunks y, y + 8, ... (32
+// adjacent columns per load, so each load is one 128-byte line), then lane 0 adds the 8 lanes in
+// order. Bounded serial work per thread even when there are hundreds of chunks.
 template <typename Out>
 __global__ void finish_column_sums(const float* __restrict__ partials, int64_t chunks,
                                    int64_t features, Out* __restrict__ target, bool accumulate) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (col >= features) return;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x;
   float sum = 0.0f;
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) sum += partials[chunk * features + col];
-  const Out rounded = from_float<Out>(sum);
+  if (col < features) {
+#pragma unroll 4
+    for (int64_t chunk = threadIdx.y; chunk < chunks; chunk += kRowLanes)
+      sum += partials[chunk * features + col];
+  }
+  __shared__ float lanes[kRowLanes][kThreadsX + 1];
+  lanes[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= features) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int y = 0; y < kRowLanes; ++y) total += lanes[y][threadIdx.x];
+  const Out rounded = from_float<Out>(total);
   target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
 }
 
@@ -134,9 +149,11 @@ Tiling tiling_for(int64_t tokens, int64_t features) {
   Tiling t;
   t.column_blocks = (features + kColsPerBlock - 1) / kColsPerBlock;
   // About eight blocks (2048 threads) per SM in all, to keep enough loads in flight; each chunk
-  // a multiple of the 8 row lanes.
+  // at least kMinRowsPerBlock rows (a block reading less costs more to schedule than to run, and
+  // every chunk is one more row of partials to add), and a multiple of the 8 row lanes.
   const int64_t wanted_blocks = 8 * static_cast<int64_t>(multiprocessors());
-  const int64_t max_chunks = std::max<int64_t>(1, (tokens + kRowLanes - 1) / kRowLanes);
+  const int64_t max_chunks =
+      std::max<int64_t>(1, (tokens + kMinRowsPerBlock - 1) / kMinRowsPerBlock);
   const int64_t chunks =
       std::clamp<int64_t>((wanted_blocks + t.column_blocks - 1) / t.column_blocks, 1, max_chunks);
   const int64_t rows = (tokens + chunks - 1) / chunks;
@@ -147,9 +164,9 @@ Tiling tiling_for(int64_t tokens, int64_t features) {
 
 template <typename T, typename Out>
 cudaError_t launch(const BiasGradArgs& a, cudaStream_t stream) {
-  const int finish_blocks = static_cast<int>((a.features + kFinishThreads - 1) / kFinishThreads);
   if (a.tokens == 0) {
-    fill_zero_or_keep<Out><<<finish_blocks, kFinishThreads, 0, stream>>>(
+    const int fill_blocks = static_cast<int>((a.features + kFillThreads - 1) / kFillThreads);
+    fill_zero_or_keep<Out><<<fill_blocks, kFillThreads, 0, stream>>>(
         a.features, static_cast<Out*>(a.target), a.accumulate);
     return cudaGetLastError();
   }
@@ -162,7 +179,8 @@ cudaError_t launch(const BiasGradArgs& a, cudaStream_t stream) {
                                                      a.features, a.ld, t.rows_per_block, vectorized,
                                                      a.workspace);
   if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
-  finish_column_sums<Out><<<finish_blocks, kFinishThreads, 0, stream>>>(
+  const unsigned finish_blocks = static_cast<unsigned>((a.features + kThreadsX - 1) / kThreadsX);
+  finish_column_sums<Out><<<finish_blocks, block, 0, stream>>>(
       a.workspace, t.chunks, a.features, static_cast<Out*>(a.target), a.accumulate);
   return cudaGetLastError();
 }

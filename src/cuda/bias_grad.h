@@ -4,9 +4,9 @@
 /// (pointers and a stream), deterministic (fixed summation order, no atomics), fp32 accumulation.
 ///
 /// Two launches: each block sums a tile of `rows_per_block` rows x 256 columns into fp32
-/// partial sums (16-byte loads where dy's rows allow), then one thread per column adds the
-/// partials in order and writes `target = sum` or `target += sum`. It reads dy once, at the copy
-/// bandwidth, and needs `bias_grad_workspace_bytes()` of scratch.
+/// partial sums (16-byte loads where dy's rows allow), then 8 threads per column add the
+/// partials in a fixed order and write `target = sum` or `target += sum`. It reads dy once and
+/// needs `bias_grad_workspace_bytes()` of scratch.
 
 #include <cuda_runtime.h>
 
