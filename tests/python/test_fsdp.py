@@ -384,6 +384,32 @@ def test_fuse_wgrad_accumulation_is_refused(results):
     check_case(results, "refuses_main_grad")
 
 
+def test_gloo_group_gets_a_cpu_mesh_by_default(tmp_path, monkeypatch):
+    """Without a mesh, a gloo-only group shards on a CPU mesh over all ranks (torch's default is
+    the accelerator's, which on a GPU machine with fewer GPUs than gloo ranks fails); a mesh the
+    caller passes is kept."""
+    import splitgrad._fsdp as fsdp_module
+    from torch.distributed.device_mesh import init_device_mesh
+
+    seen = []
+    torch_fully_shard = fsdp_module._torch_fully_shard
+
+    def recording_fully_shard(module, **kwargs):
+        seen.append(kwargs.get("mesh"))
+        return torch_fully_shard(module, **kwargs)
+
+    monkeypatch.setattr(fsdp_module, "_torch_fully_shard", recording_fully_shard)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        sgd.fully_shard(splitgrad.Linear(2, 2, device="cpu", delay_wgrad_compute=True))
+        assert seen[-1] is not None and seen[-1].device_type == "cpu" and seen[-1].size() == 1, seen
+        mine = init_device_mesh("cpu", (1,))
+        sgd.fully_shard(splitgrad.Linear(2, 2, device="cpu", delay_wgrad_compute=True), mesh=mine)
+        assert seen[-1] is mine
+    finally:
+        dist.destroy_process_group()
+
+
 CUDA_CASES = {
     "one_step[cuda]": functools.partial(case_one_step, device="cuda"),
     "tied_block[cuda]": functools.partial(case_one_step, tied_block=True, device="cuda"),
