@@ -10,8 +10,6 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
-#include <mutex>
-#include <vector>
 
 #include "cuda/bias_grad.h"
 
@@ -126,32 +124,17 @@ __global__ void fill_zero_or_keep(int64_t features, Out* target, bool accumulate
   if (col < features && !accumulate) target[col] = from_float<Out>(0.0f);
 }
 
-int multiprocessors() {
-  static std::mutex mutex;
-  static std::vector<int> counts;
-  int device = 0;
-  cudaGetDevice(&device);
-  std::lock_guard<std::mutex> lock(mutex);
-  if (static_cast<int>(counts.size()) <= device) counts.resize(device + 1, 0);
-  if (counts[device] == 0) {
-    int count = 0;
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    counts[device] = std::max(count, 1);
-  }
-  return counts[device];
-}
-
 struct Tiling {
   int64_t column_blocks, chunks, rows_per_block;
 };
 
-Tiling tiling_for(int64_t tokens, int64_t features) {
+Tiling tiling_for(int64_t tokens, int64_t features, int multiprocessors) {
   Tiling t;
   t.column_blocks = (features + kColsPerBlock - 1) / kColsPerBlock;
   // About eight blocks (2048 threads) per SM in all, to keep enough loads in flight; each chunk
   // at least kMinRowsPerBlock rows (a block reading less costs more to schedule than to run, and
   // every chunk is one more row of partials to add), and a multiple of the 8 row lanes.
-  const int64_t wanted_blocks = 8 * static_cast<int64_t>(multiprocessors());
+  const int64_t wanted_blocks = 8 * static_cast<int64_t>(std::max(multiprocessors, 1));
   const int64_t max_chunks =
       std::max<int64_t>(1, (tokens + kMinRowsPerBlock - 1) / kMinRowsPerBlock);
   const int64_t chunks =
@@ -170,7 +153,7 @@ cudaError_t launch(const BiasGradArgs& a, cudaStream_t stream) {
         a.features, static_cast<Out*>(a.target), a.accumulate);
     return cudaGetLastError();
   }
-  const Tiling t = tiling_for(a.tokens, a.features);
+  const Tiling t = tiling_for(a.tokens, a.features, a.multiprocessors);
   const bool vectorized = reinterpret_cast<uintptr_t>(a.dy) % 16 == 0 &&
                           (a.ld * static_cast<int64_t>(sizeof(T))) % 16 == 0;
   const dim3 grid(static_cast<unsigned>(t.column_blocks), static_cast<unsigned>(t.chunks));
@@ -188,21 +171,23 @@ cudaError_t launch(const BiasGradArgs& a, cudaStream_t stream) {
 template <typename T>
 cudaError_t launch_for_input(const BiasGradArgs& a, cudaStream_t stream) {
   switch (a.target_type) {
-    case BiasGradType::kFloat32:
+    case CUDA_R_32F:
       return launch<T, float>(a, stream);
-    case BiasGradType::kBFloat16:
+    case CUDA_R_16BF:
       return launch<T, __nv_bfloat16>(a, stream);
-    case BiasGradType::kFloat16:
+    case CUDA_R_16F:
       return launch<T, __half>(a, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
-size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features) {
+size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features, int multiprocessors) {
   if (tokens == 0 || features == 0) return 0;
-  return static_cast<size_t>(tiling_for(tokens, features).chunks * features) * sizeof(float);
+  return static_cast<size_t>(tiling_for(tokens, features, multiprocessors).chunks * features) *
+         sizeof(float);
 }
 
 cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream) {
@@ -211,14 +196,15 @@ cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   switch (args.dy_type) {
-    case BiasGradType::kFloat32:
+    case CUDA_R_32F:
       return launch_for_input<float>(args, stream);
-    case BiasGradType::kBFloat16:
+    case CUDA_R_16BF:
       return launch_for_input<__nv_bfloat16>(args, stream);
-    case BiasGradType::kFloat16:
+    case CUDA_R_16F:
       return launch_for_input<__half>(args, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace splitgrad::cuda

@@ -9,32 +9,34 @@
 /// needs `bias_grad_workspace_bytes()` of scratch.
 
 #include <cuda_runtime.h>
+#include <library_types.h>
 
 #include <cstddef>
 #include <cstdint>
 
 namespace splitgrad::cuda {
 
-/// Element types the kernels take (dy's, and the target's).
-enum class BiasGradType { kFloat32, kBFloat16, kFloat16 };
-
-/// Arguments of bias_grad().
+/// Arguments of bias_grad(). Element types (dy's and the target's): CUDA_R_32F, CUDA_R_16BF or
+/// CUDA_R_16F.
 struct BiasGradArgs {
   const void* dy = nullptr;  ///< [tokens, features], row-major, row stride `ld` (elements)
-  BiasGradType dy_type = BiasGradType::kFloat32;
+  cudaDataType_t dy_type = CUDA_R_32F;
   int64_t tokens = 0;
   int64_t features = 0;
   int64_t ld = 0;
   void* target = nullptr;  ///< [features], contiguous
-  BiasGradType target_type = BiasGradType::kFloat32;
+  cudaDataType_t target_type = CUDA_R_32F;
   bool accumulate = false;     ///< `target += Σ dy` (true) or `target = Σ dy` (false)
-  float* workspace = nullptr;  ///< at least bias_grad_workspace_bytes(tokens, features)
+  float* workspace = nullptr;  ///< at least bias_grad_workspace_bytes(tokens, features, sms)
+  int multiprocessors = 1;     ///< the device's SM count: the tiling keeps every SM busy
 };
 
-/// Scratch bytes bias_grad() needs for these sizes (fp32 partial sums).
-size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features);
+/// Scratch bytes bias_grad() needs for these sizes on a device with `multiprocessors` SMs
+/// (fp32 partial sums).
+size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features, int multiprocessors);
 
-/// Launches the two kernels on `stream`; returns the launch's error (cudaSuccess if none).
+/// Launches the two kernels on `stream`; returns the launch's error (cudaSuccess if none), or
+/// cudaErrorInvalidValue for an element type not listed above.
 /// tokens == 0 writes zeros (or adds nothing); features == 0 launches nothing.
 cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream);
 

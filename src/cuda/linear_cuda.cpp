@@ -94,20 +94,6 @@ void run(GemmArgs& args, const char* what, const at::Tensor& a, const at::Tensor
               "), m=", args.m, " n=", args.n, " k=", args.k);
 }
 
-cuda::BiasGradType bias_grad_type(at::ScalarType type) {
-  switch (type) {
-    case at::kFloat:
-      return cuda::BiasGradType::kFloat32;
-    case at::kBFloat16:
-      return cuda::BiasGradType::kBFloat16;
-    case at::kHalf:
-      return cuda::BiasGradType::kFloat16;
-    default:
-      TORCH_CHECK_TYPE(false, "splitgrad bias gradient kernel: unsupported dtype ",
-                       detail::dtype_name(type));
-  }
-}
-
 // db = Σ_tokens dy into `target` ([features], contiguous, a covered dtype): written, or added
 // (rounded to the target's dtype first, as `target.add_(db)` would). Partial sums live in the
 // cuBLASLt workspace of the current stream when it is large enough (stream order keeps them
@@ -116,13 +102,15 @@ void reduce_bias_grad(const at::Tensor& dy, const at::Tensor& target, Accumulate
   const at::Tensor rows = dy.stride(1) == 1 || dy.size(1) <= 1 ? dy : dy.contiguous();
   cuda::BiasGradArgs args;
   args.dy = rows.data_ptr();
-  args.dy_type = bias_grad_type(rows.scalar_type());
+  args.dy_type = cuda_type(rows.scalar_type());
   args.tokens = rows.size(0), args.features = rows.size(1);
   args.ld = std::max<int64_t>({rows.stride(0), rows.size(1), 1});
   args.target = target.data_ptr();
-  args.target_type = bias_grad_type(target.scalar_type());
+  args.target_type = cuda_type(target.scalar_type());
   args.accumulate = accumulate == Accumulate::kAdd;
-  const size_t bytes = cuda::bias_grad_workspace_bytes(args.tokens, args.features);
+  args.multiprocessors = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const size_t bytes =
+      cuda::bias_grad_workspace_bytes(args.tokens, args.features, args.multiprocessors);
   at::Tensor scratch;
   if (bytes <= at::cuda::getCUDABlasLtWorkspaceSize()) {
     args.workspace = static_cast<float*>(at::cuda::getCUDABlasLtWorkspace());
