@@ -58,10 +58,10 @@ namespace {
 std::mutex callback_mutex;
 std::function<void(const at::Tensor&)> main_grad_callback;
 
-// Where a parameter's gradient is added: its main_grad when fused, else its .grad, which is
-// materialised as zeros first if absent (0 + dW is dW exactly, as AccumulateGrad would store it).
-// A sparse .grad (left by a sparse nn.Embedding tied to the layer) becomes dense first, as
-// AccumulateGrad makes it when a dense gradient is added to it.
+// Where a parameter's gradient is added in place: its main_grad when fused, else its .grad, which
+// is materialised as zeros first if absent (0 + db is db exactly). A sparse .grad (left by a sparse
+// nn.Embedding tied to the layer) becomes dense first, as AccumulateGrad makes it when a dense
+// gradient is added to it.
 at::Tensor gradient_sink(const at::Tensor& param, const at::Tensor& main_grad) {
   if (!param.defined()) return {};
   if (main_grad.defined()) return main_grad;
@@ -72,6 +72,26 @@ at::Tensor gradient_sink(const at::Tensor& param, const at::Tensor& main_grad) {
     grad = grad.to_dense();
   }
   return grad;
+}
+
+// dW into the weight's .grad with autograd's own arithmetic (AccumulateGrad): the first gradient
+// is stored as computed, a later one computed on its own (rounded to the gradient's dtype) and
+// then added — not added inside the GEMM (beta = 1), whose rounding differs. So a deferred .grad
+// is bit-identical to the immediate path's whenever the contributions arrive in the same order.
+// Returns the bias gradient computed alongside, when `bias_too` and the weight had no .grad.
+at::Tensor add_weight_grad_as_autograd(const at::Tensor& grad_output, const at::Tensor& input,
+                                       const at::Tensor& weight, bool bias_too) {
+  at::Tensor& grad = weight.mutable_grad();
+  if (!grad.defined()) {
+    auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, bias_too);
+    grad = weight_grad.strides() == weight.strides()
+               ? weight_grad
+               : at::empty_like(weight, at::MemoryFormat::Preserve).copy_(weight_grad);
+    return bias_too ? bias_grad : at::Tensor();
+  }
+  if (grad.layout() != at::kStrided) grad = grad.to_dense();
+  grad.add_(std::get<0>(ops::linear_wgrad(grad_output, input, /*compute_bias_grad=*/false)));
+  return {};
 }
 
 std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
@@ -97,12 +117,28 @@ void notify_main_grad_accumulated(const at::Tensor& param) {
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks) {
   at::NoGradGuard no_grad;
-  const at::Tensor weight_sink = gradient_sink(sinks.weight, sinks.weight_main_grad);
-  const at::Tensor bias_sink = gradient_sink(sinks.bias, sinks.bias_main_grad);
-  if (!weight_sink.defined() && !bias_sink.defined()) return;
-  // One call adds dW and db in place (one GEMM on CUDA, fp32 accumulation into main_grad).
-  ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
-                                optional_if_defined(bias_sink));
+  const bool weight_into_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
+  const bool bias_into_grad = sinks.bias.defined() && !sinks.bias_main_grad.defined();
+  bool bias_done = false;
+  if (weight_into_grad) {
+    const bool bias_too = bias_into_grad && !sinks.bias.grad().defined();
+    if (at::Tensor bias_grad =
+            add_weight_grad_as_autograd(grad_output, input, sinks.weight, bias_too);
+        bias_grad.defined()) {
+      sinks.bias.mutable_grad() = bias_grad;
+      bias_done = true;
+    }
+  }
+  // In place: dW into an fp32 main_grad inside the GEMM (beta = 1, no temporary); db into its
+  // main_grad or .grad (the bias kernel rounds as `grad.add_(db)` does, so .grad matches autograd).
+  const at::Tensor weight_sink =
+      weight_into_grad ? at::Tensor() : gradient_sink(sinks.weight, sinks.weight_main_grad);
+  const at::Tensor bias_sink =
+      bias_done ? at::Tensor() : gradient_sink(sinks.bias, sinks.bias_main_grad);
+  if (weight_sink.defined() || bias_sink.defined()) {
+    ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
+                                  optional_if_defined(bias_sink));
+  }
   if (sinks.weight.defined() && sinks.weight_main_grad.defined()) {
     notify_main_grad_accumulated(sinks.weight);
   }
