@@ -400,14 +400,16 @@ class GradReducer:
                   for key in self._names if key in bad]
         pending = [self._names[key] for key in self._names if key in owing]
         message = (f"GradReducer.finish(): {len(names)} parameter(s) were not reduced in this step on any "
-                   f"rank (their gradients are left local): {', '.join(repr(n) for n in names)}. Never "
-                   f"ready: {', '.join(causes)}; the others share a bucket with those.")
+                   f"rank (their gradients are left local): {', '.join(repr(n) for n in names)}. Not "
+                   f"ready: {', '.join(causes)}")
+        message += "; the others share a bucket with those." if len(names) > len(causes) else "."
         if pending:
             message += (f" Deferred work is still pending for {', '.join(repr(n) for n in pending)}: run "
-                        "those layers' backward_dw() before finish().")
+                        "those layers' backward_dw() before finish() (to recover: run it inside "
+                        "reducer.no_sync(), zero the gradients and redo the step).")
         if len(pending) < len(causes):
-            message += (" Were the others unused in the forward pass? Build the GradReducer with "
-                        "find_unused_parameters=True to reduce unused parameters as zero contributions.")
+            message += (" A parameter unused in the forward pass? Build the GradReducer with "
+                        "find_unused_parameters=True to reduce such parameters as zero contributions.")
         return message
 
     def _reset(self) -> None:

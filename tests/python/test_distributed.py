@@ -333,7 +333,7 @@ def case_never_ready(rank, world, mode):
     else:
         raise AssertionError("finish() did not raise for parameters that never became ready")
     assert "'skipped.weight', 'skipped.bias'" in message, message
-    assert f"Never ready: 'skipped.weight' on {world} of {world} rank(s) (this one among them)" in message, message
+    assert f"Not ready: 'skipped.weight' on {world} of {world} rank(s) (this one among them)" in message, message
     assert "find_unused_parameters=True" in message, message
     assert "'a.weight'" not in message and "'c.weight'" not in message, message
     reference_step(reference, data, mse)
