@@ -54,6 +54,26 @@ SCHEDULES = {
 SINGLE_STAGE_CLASSES = (pipelining.Schedule1F1B, pipelining.ScheduleGPipe)
 
 
+def micro_batch_problem(name: str, ranks: int, micro_batches: int) -> str | None:
+    """Why torch's schedule ``name`` cannot run ``micro_batches`` on ``ranks`` ranks (the checks its
+    constructors and schedule generators make, done up front), or None."""
+    cls, per_rank, _, label = SCHEDULES[name]
+    stages = ranks * per_rank
+    fits = None
+    if cls in (pipelining.Schedule1F1B, pipelining.ScheduleDualPipeV):
+        need = f"at least as many micro-batches as stages ({stages})"
+        fits = lambda n: n >= stages  # noqa: E731
+    elif cls in (pipelining.ScheduleInterleaved1F1B, pipelining.ScheduleInterleavedZeroBubble):
+        need = f"a multiple of its number of rounds, max(1, micro-batches // ranks) = {max(1, micro_batches // ranks)}"
+        fits = lambda n: n % max(1, n // ranks) == 0  # noqa: E731
+    if fits is None or fits(micro_batches):
+        return None
+    nearest = min((n for n in range(1, 4 * micro_batches + 4 * stages) if fits(n)),
+                  key=lambda n: (abs(n - micro_batches), n))
+    return (f"--micro-batches {micro_batches}: {label} on {ranks} ranks needs {need} "
+            f"(e.g. --micro-batches {nearest})")
+
+
 def theoretical_bubble(name: str, ranks: int, micro_batches: int) -> float | None:
     """The bubble fraction with equal F, B and W times t: 1F1B and GPipe idle (p-1)·3t of
     (m+p-1)·3t; ZB-H1, which ZB1P with one stage per rank follows, a third of that idle time."""
@@ -303,6 +323,15 @@ def main(argv=None) -> int:
             parser.error(f"--compare: unknown schedule {name!r} (choose from {sorted(SCHEDULES)})")
     if args.steps < 1 or args.timing_steps < 1 or args.micro_batches < 1 or args.stages < 2:
         parser.error("--steps, --timing-steps and --micro-batches must be at least 1, --stages at least 2")
+    for option in ("batch", "context", "dim", "heads", "layers"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    if args.dim % args.heads:
+        parser.error(f"--heads {args.heads} must divide --dim {args.dim} (each head gets dim / heads features)")
+    for name in [args.schedule, *args.compare]:
+        problem = micro_batch_problem(name, args.stages, args.micro_batches)
+        if problem:
+            parser.error(problem)
     if args.device == "cuda" and torch.cuda.device_count() < args.stages:
         parser.error(f"--device cuda needs {args.stages} GPUs, {torch.cuda.device_count()} are visible")
     for name in [args.schedule, *args.compare]:

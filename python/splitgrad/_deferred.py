@@ -73,10 +73,18 @@ def get_pending_work_policy() -> str:
     return _policy
 
 
+# Functions mapping parameters to other tensors their deferred work may be queued on: FSDP2 queues
+# it on the unsharded parameters while optimizers and modules hold the sharded ones (_fsdp adds one).
+_param_aliases: list[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = []
+
+
 def check_no_pending(action: str, params: Iterable[torch.Tensor] | None = None) -> None:
     """Warn or raise (per the policy) if deferred work feeding ``params`` (or any) is pending."""
     if _C.pending_wgrads() == 0:
         return
+    if params is not None:
+        params = list(params)
+        params += [alias for aliases in _param_aliases for alias in aliases(params)]
     layers = layers_with_pending_wgrads(params)
     if not layers:
         return

@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
-from ._deferred import register_grad_ready_hook
+from ._deferred import _param_aliases, register_grad_ready_hook
 from ._linear import Linear
 
 __all__ = ["fully_shard", "finish_fsdp_reductions", "fsdp_reduction_log"]
@@ -137,6 +137,18 @@ class _DeferredGroup:
         if comm.reduce_scatter_state is not None and comm.reduce_scatter_state.event is not None:
             self.group.device_handle.current_stream().wait_event(comm.reduce_scatter_state.event)
         comm.reduce_scatter_state = None
+
+
+def _unsharded_aliases(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The unsharded parameters of those of ``params`` that are FSDP's sharded ones: the deferred
+    work is queued on them, so the pending-work checks of optimizer.step()/zero_grad() and
+    state_dict() (which see the sharded ones) look there too."""
+    ids = {id(p) for p in params}
+    return [fsdp_param._unsharded_param for group in list(_groups) for fsdp_param in group.group.fsdp_params
+            if id(fsdp_param.sharded_param) in ids and hasattr(fsdp_param, "_unsharded_param")]
+
+
+_param_aliases.append(_unsharded_aliases)
 
 
 def _delayed_layer(fsdp_param) -> Linear | None:

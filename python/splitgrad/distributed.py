@@ -7,6 +7,10 @@ collective per bucket as soon as every parameter of the bucket is *ready* — th
 with the ``backward_dw()`` calls still to come, and a tied weight is reduced once, with its whole
 gradient. :meth:`GradReducer.finish` waits for them.
 
+Buckets are launched in bucket order, as DDP does: a bucket whose parameters are ready waits for
+the buckets before it, so the order in which parameters become ready (a schedule's W order, which
+may differ from rank to rank) never decides which buffers are summed.
+
 - ``mode="all_reduce"`` (DDP-style): ``torch.distributed.all_reduce`` per bucket; ``finish()`` writes
   the reduced gradients back into ``.grad`` / ``main_grad``.
 - ``mode="reduce_scatter"`` (ZeRO-2/FSDP-style): ``torch.distributed.reduce_scatter_tensor`` per
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import _C
 from ._deferred import register_grad_ready_hook
 from ._fsdp import finish_fsdp_reductions, fsdp_reduction_log, fully_shard
 
@@ -94,6 +99,11 @@ class GradReducer:
             :meth:`shard_range` after ``finish()``, or the whole shards in :attr:`shards`; ``.grad``
             / ``main_grad`` are left holding the local, unreduced gradient).
         average: divide the sum by the group's size (the default), else leave the sum.
+        find_unused_parameters: DDP's option. A parameter that has not become ready by ``finish()``
+            and has no deferred work pending counts as ready with its current gradient (zeros if it
+            has none); a parameter used on no rank keeps its gradient untouched (``.grad`` stays
+            ``None``; in reduce_scatter mode :meth:`sharded_grad` raises for it). Without it
+            (the default) such a parameter is an error (see below).
 
     The gradient of a parameter is its ``main_grad`` if it has that attribute (set it before
     building the reducer, so the bucket gets its dtype), else its ``.grad``.
@@ -111,14 +121,25 @@ class GradReducer:
     ``reducer.sharded_grad(p)`` is the reduced ``p.grad.flatten()[start:stop]`` with
     ``(start, stop) = reducer.shard_range(p)`` (empty where this rank owns none of ``p``).
 
+    Buckets are launched in bucket order (reverse registration order), whatever order the parameters
+    become ready in, so the ranks may run their ``backward_dw()`` calls in different orders; the
+    collectives overlap best when the last layers' work runs first.
+
     Every parameter must become ready exactly once between two ``finish()`` calls (outside
-    :meth:`no_sync`); ``finish()`` raises a ``RuntimeError`` naming the parameters that did not, and a
-    parameter made ready twice raises at once. All ranks must make the parameters ready in the same
-    order (run the same schedule), since the buckets are launched in the order they become ready.
+    :meth:`no_sync`), unless ``find_unused_parameters=True``; a parameter made ready twice raises at
+    once. ``finish()`` launches the buckets still waiting (a parameter not ready contributes its
+    current gradient, or zeros), then a small all-reduce of which parameters were ready on how many
+    ranks, so every rank takes the same decision and no collective is left in flight: a bucket with a
+    parameter that was not ready on some rank (without ``find_unused_parameters``) or still owed
+    deferred work on some rank (always) is not written back, and ``finish()`` raises a
+    ``RuntimeError`` on every rank naming every parameter left unreduced. A ``finish()`` with no step
+    since the previous one (no forward with grad enabled through ``model``, no parameter ready) does
+    nothing.
     """
 
     def __init__(self, model: nn.Module, process_group=None, bucket_cap_mb: float = 25,
-                 mode: str = "all_reduce", average: bool = True) -> None:
+                 mode: str = "all_reduce", average: bool = True,
+                 find_unused_parameters: bool = False) -> None:
         if mode not in _MODES:
             raise ValueError(f"GradReducer: expected mode 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
@@ -131,6 +152,7 @@ class GradReducer:
         self.process_group = process_group
         self.mode = mode
         self.average = bool(average)
+        self.find_unused_parameters = bool(find_unused_parameters)
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         #: (bucket_index, tuple of parameter names), one entry per collective launched, in launch order.
@@ -166,10 +188,17 @@ class GradReducer:
                 bucket.shard = torch.zeros(bucket.padded_numel(self.world_size) // self.world_size,
                                            dtype=bucket.dtype, device=bucket.device)
 
+        self._params = {id(param): param for _, param in params}  # in registration order
         self._lock = threading.Lock()
         self._sync = True
         self._ready: set[int] = set()  # ids of the parameters ready in the current step
+        self._next = 0  # the next bucket to launch: buckets go in bucket order, as in DDP
+        self._used_map: torch.Tensor | None = None  # per parameter: ranks it was ready on, ranks owing work
+        self._used_work = None
+        self._active = False  # a step began since the last finish()
+        self._unused: set[int] = set()  # ids of the parameters used on no rank in the last step
         self._handles = [register_grad_ready_hook(param, self._hook) for _, param in params]
+        self._handles.append(model.register_forward_pre_hook(self._forward_pre_hook))
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -221,6 +250,10 @@ class GradReducer:
         ``finish()``."""
         self._require_sharded("sharded_grad()")
         bucket, offset, start, stop = self._slot(param)
+        if id(param) in self._unused:
+            raise RuntimeError(
+                f"GradReducer.sharded_grad(): '{self._names[id(param)]}' was used on no rank in the last "
+                "step (find_unused_parameters=True); it has no reduced gradient")
         if not bucket.reduced:
             raise RuntimeError(
                 f"GradReducer.sharded_grad(): the bucket of '{self._names[id(param)]}' was not reduced "
@@ -231,6 +264,10 @@ class GradReducer:
         return bucket.shard[begin:begin + stop - start]
 
     # -- the grad-ready hook --------------------------------------------------------------------
+
+    def _forward_pre_hook(self, module, args) -> None:
+        if self._sync and torch.is_grad_enabled():
+            self._active = True
 
     def _hook(self, param: torch.Tensor) -> None:
         with self._lock:
@@ -245,10 +282,14 @@ class GradReducer:
                     "backward_dw() inside reducer.no_sync(), or call finish() after each step."
                 )
             self._ready.add(key)
-            bucket = self._buckets[self._where[key][0]]
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self._launch(bucket)
+            self._active = True
+            self._buckets[self._where[key][0]].ready += 1
+            # in bucket order: a ready bucket waits for those before it
+            while self._next < len(self._buckets) and \
+                    self._buckets[self._next].ready == len(self._buckets[self._next].params):
+                self._launch(self._buckets[self._next])
+            if self._next == len(self._buckets) and self._used_work is None:
+                self._launch_used_map()
 
     def _launch(self, bucket: _Bucket) -> None:
         sharded = self.mode == "reduce_scatter"
@@ -257,10 +298,14 @@ class GradReducer:
             bucket.buffer = torch.empty(size, dtype=bucket.dtype, device=bucket.device)
         for param, name, offset in zip(bucket.params, bucket.names, bucket.offsets):
             grad = _gradient_source(param)
-            if grad is None:
+            piece = bucket.buffer[offset:offset + param.numel()]
+            if grad is not None:
+                piece.copy_(grad.reshape(-1))
+            elif id(param) not in self._ready:
+                piece.zero_()  # launched by finish(): not ready here, contributes nothing
+            else:
                 raise RuntimeError(f"GradReducer: parameter '{name}' became ready without a gradient "
                                    "(.grad and main_grad are both None)")
-            bucket.buffer[offset:offset + param.numel()].copy_(grad.reshape(-1))
         if sharded:
             bucket.reduced = False  # the shard is being overwritten until finish()
             bucket.buffer[bucket.numel:].zero_()  # the padding (a backend may have written to it)
@@ -270,48 +315,109 @@ class GradReducer:
             if self.average and self.world_size > 1:
                 bucket.buffer.div_(self.world_size)
             bucket.work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        self._next += 1
         self.launch_log.append((bucket.index, tuple(bucket.names)))
+
+    def _launch_used_map(self) -> None:
+        """After the last bucket: sums over the ranks, per parameter, whether it was ready and whether
+        deferred work is still owed to it, so that finish() decides alike on every rank."""
+        n = len(self._names)
+        local = torch.zeros(2 * n, dtype=torch.int32)
+        for i, (key, param) in enumerate(self._params.items()):
+            if key in self._ready:
+                local[i] = 1
+            elif _C.pending_wgrads_for(param):
+                local[n + i] = 1
+        self._used_map = local.to(self._buckets[0].device)
+        self._used_work = dist.all_reduce(self._used_map, group=self.process_group, async_op=True)
 
     # -- the step ---------------------------------------------------------------------------------
 
     def finish(self) -> None:
-        """Wait for every launched collective; in all_reduce mode write the reduced gradients back
-        into each parameter's ``.grad`` / ``main_grad``, in reduce_scatter mode leave them in the
-        shards (:meth:`sharded_grad`); then start a new step.
+        """Launch the buckets still waiting, wait for every collective; in all_reduce mode write the
+        reduced gradients back into each parameter's ``.grad`` / ``main_grad``, in reduce_scatter mode
+        leave them in the shards (:meth:`sharded_grad`); then start a new step. Collective: every
+        rank calls it once per step (a second call with no step between does nothing).
 
-        Raises RuntimeError naming the parameters that did not become ready in this step (the
-        buckets that were launched are still waited for and written back first)."""
+        Raises RuntimeError, on every rank alike, naming every parameter left unreduced: the
+        parameters of each bucket with a parameter that some rank did not make ready (without
+        ``find_unused_parameters``) or still owes deferred work to; the other buckets are written
+        back first."""
         with self._lock:
             if not self._sync:
                 raise RuntimeError("GradReducer.finish() called inside no_sync(): nothing is reduced "
                                    "there; call finish() after the step that leaves no_sync()")
+            if not self._active:
+                return  # no step since the last finish(): its results stand
             try:
+                while self._next < len(self._buckets):
+                    self._launch(self._buckets[self._next])
+                if self._used_work is None:
+                    self._launch_used_map()
+                self._used_work.wait()
+                n = len(self._names)
+                counts = self._used_map.cpu().tolist()
+                keys = list(self._names)
+                used = {key: counts[i] for i, key in enumerate(keys)}
+                owing = {key for i, key in enumerate(keys) if counts[n + i]}
+                not_ready = {key for key in keys if used[key] < self.world_size}
+                bad = owing | (set() if self.find_unused_parameters else not_ready)
+                self._unused = ({key for key in keys if used[key] == 0 and key not in owing}
+                                if self.find_unused_parameters else set())
+                left: list[_Bucket] = []
                 for bucket in self._buckets:
                     bucket.reduced = False
                 for bucket in self._buckets:
-                    if bucket.work is None:
-                        continue
                     bucket.work.wait()
+                    if any(id(p) in bad for p in bucket.params):
+                        left.append(bucket)
+                        continue
                     if self.mode == "reduce_scatter":
                         if self.average and self.world_size > 1:
                             bucket.shard.div_(self.world_size)
                         bucket.reduced = True
                         continue
                     for param, offset in zip(bucket.params, bucket.offsets):
+                        if id(param) in self._unused:
+                            continue  # used on no rank: its gradient stays as it is, as in DDP
+                        reduced = bucket.buffer[offset:offset + param.numel()].view_as(param)
                         grad = _gradient_source(param)
-                        grad.copy_(bucket.buffer[offset:offset + param.numel()].view_as(grad))
-                missing = [name for key, name in self._names.items() if key not in self._ready]
+                        if grad is None:  # unused on this rank only
+                            param.grad = reduced.clone()
+                        else:
+                            grad.copy_(reduced)
+                message = self._unreduced_message(left, used, owing, bad) if left else None
             finally:
                 self._reset()
-            if missing:
-                raise RuntimeError(
-                    f"GradReducer.finish(): {len(missing)} parameter(s) never became ready in this step, "
-                    f"so their gradients were not reduced: {', '.join(repr(n) for n in missing)}. "
-                    "Were they unused in the forward pass, or is their backward_dw() still pending?"
-                )
+            if message:
+                raise RuntimeError(message)
+
+    def _unreduced_message(self, left: list[_Bucket], used: dict, owing: set, bad: set) -> str:
+        left_ids = {id(p) for bucket in left for p in bucket.params}
+        names = [name for key, name in self._names.items() if key in left_ids]
+        causes = [f"'{self._names[key]}' on {self.world_size - used[key]} of {self.world_size} rank(s)"
+                  f"{' (this one among them)' if key not in self._ready else ''}"
+                  for key in self._names if key in bad]
+        pending = [self._names[key] for key in self._names if key in owing]
+        message = (f"GradReducer.finish(): {len(names)} parameter(s) were not reduced in this step on any "
+                   f"rank (their gradients are left local): {', '.join(repr(n) for n in names)}. Not "
+                   f"ready: {', '.join(causes)}")
+        message += "; the others share a bucket with those." if len(names) > len(causes) else "."
+        if pending:
+            message += (f" Deferred work is still pending for {', '.join(repr(n) for n in pending)}: run "
+                        "those layers' backward_dw() before finish() (to recover: run it inside "
+                        "reducer.no_sync(), zero the gradients and redo the step).")
+        if len(pending) < len(causes):
+            message += (" A parameter unused in the forward pass? Build the GradReducer with "
+                        "find_unused_parameters=True to reduce such parameters as zero contributions.")
+        return message
 
     def _reset(self) -> None:
         self._ready.clear()
+        self._next = 0
+        self._used_map = None
+        self._used_work = None
+        self._active = False
         for bucket in self._buckets:
             bucket.ready = 0
             bucket.work = None

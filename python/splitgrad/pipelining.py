@@ -64,6 +64,12 @@ def _gradient_of(param: torch.Tensor) -> torch.Tensor | None:
     return main_grad if main_grad is not None else param.grad
 
 
+def _gradient_dtype(param: torch.Tensor) -> str:
+    """The dtype TiedParameter.sync_grads reduces a copy's gradient in, as a string."""
+    main_grad = getattr(param, "main_grad", None)
+    return str((main_grad if main_grad is not None else param).dtype)
+
+
 def _delayed_layers(module: nn.Module) -> list[Linear]:
     """The module's splitgrad layers with delay_wgrad_compute=True, each once, in module order."""
     seen: set[int] = set()
@@ -98,7 +104,9 @@ class PipelineStage(_pipelining.PipelineStage):
       (fuse_wgrad_accumulation) as well as ``.grad``, each parameter once.
     - The stages of one process must not share a Parameter object while the schedule scales
       gradients (each stage would divide it): give each stage its own copy and tie the copies
-      with :class:`TiedParameter`.
+      with :class:`TiedParameter`. Stages with the same index are not stages of one schedule: a
+      second stage over the same module (for another schedule, another micro-batch count, or
+      evaluation) is fine, the first alive or not.
 
     ``timeline`` (a :class:`StageTimeline`, or None) records the F, B and W intervals when set.
     """
@@ -109,8 +117,11 @@ class PipelineStage(_pipelining.PipelineStage):
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"splitgrad.pipelining.PipelineStage: expected an nn.Module submodule, "
                             f"got {type(submodule).__name__}")
+        # through a weak reference: a bound method would keep the stage (and its entry in
+        # _live_stages) alive after its schedule is gone
+        this = weakref.ref(self)
         super().__init__(submodule, stage_index, num_stages, torch.device(device), input_args,
-                         output_args, group, dw_builder=self._build_dw_runner)
+                         output_args, group, dw_builder=lambda: this()._build_dw_runner())
         self._layers = _delayed_layers(submodule)
         # Passes each layer had pending before the B step now running (None outside B).
         self._before_backward: list[set[int]] | None = None
@@ -224,8 +235,8 @@ class PipelineStage(_pipelining.PipelineStage):
             return
         params = {id(p): p for p in self.submod.parameters()}
         for other in list(_live_stages):
-            if other is self:
-                continue
+            if other is self or other.stage_index == self.stage_index:
+                continue  # the same stage of another schedule (a schedule has each index once)
             shared = [p for p in other.submod.parameters() if id(p) in params]
             if shared:
                 raise RuntimeError(
@@ -357,6 +368,11 @@ class TiedParameter:
             process group over them, so every rank of the world must construct it, in the same order
             as the other collectives (``torch.distributed.new_group``'s rule), copies or not.
 
+    The constructor checks, on every rank alike, that all ranks passed the same ``ranks`` and that
+    every copy on every rank has one shape and one gradient dtype (``main_grad``'s where a copy has
+    one when it is built, else the parameter's), raising a ``ValueError`` naming the ranks that
+    differ.
+
     After a step's backward work, :meth:`sync_grads` gives every copy the sum of all copies'
     gradients (``main_grad`` where a copy has one, else ``.grad``); then the same optimizer step on
     every copy keeps them equal. :meth:`broadcast_` makes the values equal to start with.
@@ -372,19 +388,34 @@ class TiedParameter:
                 raise TypeError(f"TiedParameter: expected tensors as copies, got {type(copy).__name__}")
             unique.setdefault(id(copy), copy)
         self.copies = list(unique.values())
-        shapes = {tuple(c.shape) for c in self.copies}
-        if len(shapes) > 1:
-            raise ValueError(f"TiedParameter: the copies must have one shape, got {sorted(shapes)}")
         self.ranks = sorted(set(int(r) for r in ranks))
         world = dist.get_world_size()
         if not self.ranks or any(r < 0 or r >= world for r in self.ranks):
             raise ValueError(f"TiedParameter: expected ranks in [0, {world}), got {list(ranks)}")
+        # With several ranks this is collective (every rank builds it): every rank sees every rank's
+        # copies and raises alike, rather than a mismatch summing the wrong elements or aborting in
+        # the backend later. With one rank, nothing is exchanged (as for the group below).
         rank = dist.get_rank()
-        if self.copies and rank not in self.ranks:
-            raise ValueError(f"TiedParameter: rank {rank} holds {len(self.copies)} copies but is not in "
-                             f"ranks {self.ranks}")
-        if not self.copies and rank in self.ranks:
-            raise ValueError(f"TiedParameter: rank {rank} is in ranks {self.ranks} but holds no copy")
+        mine = (self.ranks, [(tuple(c.shape), _gradient_dtype(c)) for c in self.copies])
+        if len(self.ranks) > 1:
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+            everyone = dict(enumerate(gathered))
+        else:
+            everyone = {rank: mine}
+        differ = [f"rank {r} passed {theirs}" for r, (theirs, _) in everyone.items() if theirs != self.ranks]
+        if differ:
+            raise ValueError(f"TiedParameter: every rank must pass the same ranks; rank {rank} passed "
+                             f"{self.ranks}, {'; '.join(differ)}")
+        holders = [r for r, (_, held) in everyone.items() if held]
+        if holders != [r for r in self.ranks if r in everyone]:
+            raise ValueError(f"TiedParameter: rank(s) {holders} hold copies, but ranks is {self.ranks}: every "
+                             "rank in ranks must hold a copy, and no other")
+        kinds = sorted({(r, shape, dtype) for r in holders for shape, dtype in everyone[r][1]})
+        if len({(shape, dtype) for _, shape, dtype in kinds}) > 1:
+            described = "; ".join(f"rank {r} holds shape {shape} {dtype}" for r, shape, dtype in kinds)
+            raise ValueError("TiedParameter: the copies must have one shape and one gradient dtype on "
+                             f"every rank, got: {described}")
         self.group = dist.new_group(self.ranks) if len(self.ranks) > 1 else None
 
     def sync_grads(self) -> None:

@@ -41,6 +41,23 @@ def test_demo_fails_when_the_tolerance_is_impossible(tmp_path):
     assert "PARITY FAILED" in printed
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--heads", "3"], "--heads 3 must divide --dim 32"),
+    (["--batch", "0"], "--batch must be at least 1, got 0"),
+    (["--micro-batches", "5"], "--micro-batches 5: ZB1P (zero bubble) on 2 ranks needs a multiple of its number of rounds"),
+    (["--schedule", "dualpipev", "--micro-batches", "3"],
+     "--micro-batches 3: DualPipeV on 2 ranks needs at least as many micro-batches as stages (4)"),
+    (["--micro-batches", "1"], "--micro-batches 1: 1F1B on 2 ranks needs at least as many"),  # the --compare one
+])
+def test_demo_refuses_bad_options_up_front(tmp_path, args, expected):
+    """Options the model or the schedules cannot take: a one-line argparse error (exit 2) before any
+    worker process starts, not a multi-process traceback."""
+    status, printed = run_demo(*args, "--out", str(tmp_path), timeout=120)
+    assert status == 2, printed
+    assert f"demo.py: error: {expected}" in printed, printed
+    assert "Traceback" not in printed and "splitgrad main job" not in printed, printed
+
+
 def test_zero_bubble_example_script_trains_under_torchrun():
     """examples/pipeline_zero_bubble.py, as the README runs it (torchrun, 2 processes, gloo)."""
     example = DEMO.parent / "pipeline_zero_bubble.py"

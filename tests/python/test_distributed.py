@@ -223,7 +223,8 @@ def lm_loss(model, ids, targets):
 
 def case_tied_embedding(rank, world, mode):
     """nn.Embedding tied to a delayed output layer: the shared weight is reduced once, after the
-    head's backward_dw (the embedding's immediate contribution landed during backward)."""
+    head's backward_dw (the embedding's immediate contribution landed during backward) — and, its
+    bucket coming after mid's in bucket order, launched with them, during mid's backward_dw."""
     torch.manual_seed(0)
     model = TiedLM()
     reference = to_reference(model)
@@ -236,7 +237,7 @@ def case_tied_embedding(rank, world, mode):
     tracker.backward_dw(model.mid)
     reducer.finish()
     assert_each_launched_once(reducer, tracker, {
-        "embed.weight": "W head", "mid.weight": "W mid", "mid.bias": "W mid",
+        "embed.weight": "W mid", "mid.weight": "W mid", "mid.bias": "W mid",
     })
     reference_step(reference, data, lm_loss)
     assert_reduced_match(model, reference, reducer, world)
@@ -332,10 +333,186 @@ def case_never_ready(rank, world, mode):
     else:
         raise AssertionError("finish() did not raise for parameters that never became ready")
     assert "'skipped.weight', 'skipped.bias'" in message, message
-    assert "never became ready" in message, message
+    assert f"Not ready: 'skipped.weight' on {world} of {world} rank(s) (this one among them)" in message, message
+    assert "find_unused_parameters=True" in message, message
     assert "'a.weight'" not in message and "'c.weight'" not in message, message
     reference_step(reference, data, mse)
     assert_reduced_match(model, reference, reducer, world)  # the others were reduced; skipped: None
+    reducer.remove()
+
+
+class Optional(nn.Module):
+    """``maybe`` is used only where ``use_maybe``; ``never`` (if there) is never used."""
+
+    def __init__(self, with_never=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = linear(True, "a")
+        self.maybe = linear(True, "maybe")
+        if with_never:
+            self.never = linear(True, "never")
+        self.c = linear(False, "c")
+
+    def forward(self, x, use_maybe=True):
+        h = torch.tanh(self.a(x))
+        if use_maybe:
+            h = h + torch.tanh(self.maybe(h))
+        return self.c(h)
+
+
+def uses_maybe(rank):
+    return rank % 2 == 0  # rank-dependent: the odd ranks skip it
+
+
+def optional_reference_step(reference, data):
+    """Plain autograd of the mean over the ranks of each rank's mean loss, each rank with its own
+    structure (what DDP's averaging computes)."""
+    world = len(data)
+    loss = sum(F.mse_loss(reference(x, uses_maybe(r)), t) for r in range(world) for x, t in data[r]) / world
+    loss.backward()
+
+
+def case_find_unused(rank, world, mode, cap):
+    """find_unused_parameters=True with a parameter unused on the odd ranks and one unused on all:
+    the reduced gradients equal plain autograd over every rank's data with each rank's structure
+    (zero contributions where unused), ``never`` keeps no gradient, as under torch's DDP (compared
+    too); two steps, so nothing is left in flight."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = Optional()
+    reference = to_reference(model)
+    ddp = DDP(to_reference(model), find_unused_parameters=True)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=cap, mode=mode, find_unused_parameters=True)
+    for step in range(2):
+        data = rank_batches(step, world)
+        x, t = data[rank][0]
+        F.mse_loss(model(x, uses_maybe(rank)), t).backward()
+        splitgrad.backward_dw_all()
+        reducer.finish()
+        optional_reference_step(reference, data)
+        assert_reduced_match(model, reference, reducer, world)
+        assert model.never.weight.grad is None and reference.never.weight.grad is None
+        F.mse_loss(ddp(x, uses_maybe(rank)), t).backward()
+        if mode == "all_reduce":
+            assert_grads_match(model, ddp.module, exact=False)
+        zero_grads(model, reference, ddp.module)
+    reducer.remove()
+
+
+def case_unused_default_refused(rank, world, mode, cap):
+    """Without find_unused_parameters, a parameter unused on the odd ranks: finish() raises on every
+    rank naming every parameter left unreduced (with a single bucket: all of them), and leaves no
+    collective in flight — the next step, with every parameter used, is exact."""
+    model = Optional(with_never=False)  # only the rank-dependent unused parameter
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=cap, mode=mode)
+    data = rank_batches(0, world)
+    x, t = data[rank][0]
+    F.mse_loss(model(x, uses_maybe(rank)), t).backward()
+    splitgrad.backward_dw_all()
+    try:
+        reducer.finish()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError("finish() did not raise for a parameter unused on some ranks")
+    unreduced = ["a.weight", "a.bias", "maybe.weight", "maybe.bias", "c.weight", "c.bias"] if cap != TINY \
+        else ["maybe.weight", "maybe.bias"]
+    assert f"{len(unreduced)} parameter(s) were not reduced" in message, message
+    assert ", ".join(repr(n) for n in unreduced) + "." in message, message
+    here = " (this one among them)" if not uses_maybe(rank) else ""
+    assert f"'maybe.weight' on {world // 2} of {world} rank(s){here}" in message, message
+    zero_grads(model)
+    data = rank_batches(1, world)
+    x, t = data[rank][0]
+    F.mse_loss(model(x), t).backward()
+    splitgrad.backward_dw_all()
+    reducer.finish()
+    reference_step(reference, data, mse)
+    assert_reduced_match(model, reference, reducer, world)
+    reducer.remove()
+
+
+def case_pending_at_finish(rank, world, mode):
+    """A backward_dw() forgotten on rank 0 only: finish() raises on every rank naming the layer's
+    parameters as pending (even with find_unused_parameters=True: pending is not unused), nothing is
+    left in flight, and after running it (in no_sync) the next step is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(linear(True, "l0"), nn.Tanh(), linear(True, "l1"))
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode, find_unused_parameters=True)
+    x, t = rank_batches(0, world)[rank][0]
+    mse(model, x, t).backward()
+    model[2].backward_dw()
+    if rank != 0:
+        model[0].backward_dw()
+    try:
+        reducer.finish()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        raise AssertionError("finish() did not raise for deferred work pending on rank 0")
+    assert "Deferred work is still pending for '0.weight', '0.bias'" in message, message
+    assert "2 parameter(s) were not reduced" in message, message
+    with reducer.no_sync():
+        splitgrad.backward_dw_all()
+    zero_grads(model)
+    data = rank_batches(1, world)
+    x, t = data[rank][0]
+    mse(model, x, t).backward()
+    splitgrad.backward_dw_all()
+    reducer.finish()
+    reference_step(reference, data, mse)
+    assert_reduced_match(model, reference, reducer, world)
+    reducer.remove()
+
+
+def case_rank_dependent_w_order(rank, world, mode, cap):
+    """Each rank runs the backward_dw() calls in its own order (rank 0 last layer first, rank 1 first
+    layer first, the others shuffled), one bucket per parameter or a few: the buckets are launched
+    in bucket order on every rank whatever the readiness order, so the result is exact."""
+    torch.manual_seed(0)
+    layers = [linear(True, f"l{i}") for i in range(4)]
+    model = nn.Sequential(*layers)
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=cap, mode=mode)
+    order = list(reversed(layers)) if rank == 0 else list(layers)
+    if rank > 1:
+        order = [layers[i] for i in torch.randperm(4, generator=torch.Generator().manual_seed(rank))]
+    for step in range(2):
+        data = rank_batches(step, world)
+        reducer.launch_log.clear()
+        x, t = data[rank][0]
+        mse(model, x, t).backward()
+        for layer in order:
+            layer.backward_dw()
+        reducer.finish()
+        reference_step(reference, data, mse)
+        assert_reduced_match(model, reference, reducer, world)
+        assert [i for i, _ in reducer.launch_log] == list(range(len(reducer.buckets))), reducer.launch_log
+        zero_grads(model, reference)
+    reducer.remove()
+
+
+def case_finish_twice(rank, world, mode):
+    """finish() again with no step in between does nothing: no error, the reduced gradients (and
+    shards) stand; the next step is exact."""
+    model = tied_model()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
+    for step in range(2):
+        data = rank_batches(step, world)
+        x, t = data[rank][0]
+        mse(model, x, t).backward()
+        splitgrad.backward_dw_all()
+        reducer.finish()
+        reducer.finish()
+        with torch.no_grad():
+            model(x)  # an evaluation forward is no step either
+        reducer.finish()
+        reference_step(reference, data, mse)
+        assert_reduced_match(model, reference, reducer, world)
+        zero_grads(model, reference)
     reducer.remove()
 
 
@@ -451,7 +628,13 @@ _CASES = {
     "overlap": case_overlap,
     "several_buckets": case_several_buckets,
     "mode_accessors": case_mode_accessors,
+    "finish_twice": case_finish_twice,
+    "pending_at_finish": case_pending_at_finish,
 }
+for _cap, _label in ((TINY, "per_param"), (25, "one_bucket")):
+    _CASES[f"w_order_{_label}"] = functools.partial(case_rank_dependent_w_order, cap=_cap)
+    _CASES[f"find_unused_{_label}"] = functools.partial(case_find_unused, cap=_cap)
+    _CASES[f"unused_refused_{_label}"] = functools.partial(case_unused_default_refused, cap=_cap)
 CASES = {f"{name}[{mode}]": functools.partial(case, mode=mode)
          for name, case in _CASES.items() for mode in MODES}
 
@@ -519,6 +702,34 @@ def test_several_buckets_padded_shards(results, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_sharded_accessors_by_mode(results, mode):
     check_case(results, f"mode_accessors[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("buckets", ["per_param", "one_bucket"])
+def test_rank_dependent_w_orders_reduce_matching_buckets(results, mode, buckets):
+    check_case(results, f"w_order_{buckets}[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("buckets", ["per_param", "one_bucket"])
+def test_find_unused_parameters_rank_dependent(results, mode, buckets):
+    check_case(results, f"find_unused_{buckets}[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("buckets", ["per_param", "one_bucket"])
+def test_unused_on_some_ranks_refused_names_all_unreduced_and_recovers(results, mode, buckets):
+    check_case(results, f"unused_refused_{buckets}[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pending_work_at_finish_refused_on_every_rank(results, mode):
+    check_case(results, f"pending_at_finish[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_finish_twice_is_a_no_op(results, mode):
+    check_case(results, f"finish_twice[{mode}]")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -318,6 +318,46 @@ def case_dropped_item(rank, world):
     assert_sharded_grads_match(model, reference, "the step after the dropped item")
 
 
+def case_pending_work_checks(rank, world):
+    """set_pending_work_policy("error") under fully_shard: with one layer's backward_dw() forgotten,
+    optimizer.step(), optimizer.zero_grad(), module.zero_grad() and state_dict() raise naming it
+    (they hold the sharded parameters; the work is queued on the unsharded ones), and change
+    nothing; once it runs, both steps equal plain autograd (nothing held back leaks into step 2)."""
+    model = LM()
+    reference = to_reference(model)
+    shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    forgotten = model.blocks[0].fc1
+    splitgrad.set_pending_work_policy("error")
+    try:
+        for step in range(2):
+            data = rank_data(step, world)
+            ids, targets = data[rank][0]
+            lm_loss(model, ids, targets).backward()
+            for layer in reversed(delayed_layers(model)):
+                if layer is not forgotten:
+                    layer.backward_dw()
+            for what, call in (("SGD.step()", optimizer.step), ("SGD.zero_grad()", optimizer.zero_grad),
+                               ("zero_grad()", model.zero_grad), ("state_dict()", model.state_dict)):
+                try:
+                    call()
+                except splitgrad.PendingWgradError as error:
+                    assert what in str(error) and "'blocks.0.fc1'" in str(error), (what, str(error))
+                else:
+                    raise AssertionError(f"{what} under fully_shard did not raise for pending work")
+            forgotten.backward_dw()
+            reference_grads(reference, data)
+            assert_sharded_grads_match(model, reference, f"step {step}")
+            optimizer.step()
+            ref_optimizer.step()
+            assert_params_match(model, reference, f"after step {step}")
+            optimizer.zero_grad()
+            ref_optimizer.zero_grad()
+    finally:
+        splitgrad.set_pending_work_policy("warn")
+
+
 def case_refuses_main_grad(rank, world):
     layer = splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
                              name="fused")
@@ -339,6 +379,7 @@ CASES = {
     "torch_fully_shard_loses_deferred_grads": case_torch_fully_shard_loses_deferred_grads,
     "dropped_item": case_dropped_item,
     "refuses_main_grad": case_refuses_main_grad,
+    "pending_work_checks": case_pending_work_checks,
 }
 
 
@@ -378,6 +419,10 @@ def test_torch_fully_shard_alone_loses_deferred_gradients(results):
 
 def test_dropped_deferred_item_is_reported_and_nothing_partial_is_reduced(results):
     check_case(results, "dropped_item")
+
+
+def test_pending_work_checks_see_the_unsharded_parameters(results):
+    check_case(results, "pending_work_checks")
 
 
 def test_fuse_wgrad_accumulation_is_refused(results):

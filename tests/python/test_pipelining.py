@@ -418,6 +418,84 @@ def case_leftover_work(rank, world):
     dist.barrier()
 
 
+def case_second_stage(rank, world):
+    """A second PipelineStage over the same modules (another schedule, half the micro-batches),
+    while the first is alive, then the first again, then a third after the first two are deleted:
+    every step's gradients equal plain autograd (torch's own PipelineStage allows this), and a
+    deleted stage is freed (its dw_builder does not keep it alive)."""
+    import gc
+    import weakref
+
+    name = "ZB1P"
+    cls, per_rank, _ = SCHEDULES[name]
+    num_stages = world * per_rank
+    modules, stages, schedule, tied = build_pipeline(rank, world, name)
+    reference = reference_model()
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+
+    def new_schedule(n_micro):
+        mine = [splitgrad.pipelining.PipelineStage(modules[s], s, num_stages, "cpu") for s in modules]
+        return mine, cls(mine, n_microbatches=n_micro, loss_fn=lm_loss)
+
+    def check_step(sched, step, what):
+        pipeline_step(sched, modules, step, num_stages)
+        tied.sync_grads()
+        reference_step(reference, *step_data(step))  # equal micro-batches: any count gives one mean
+        assert_grads_equal_reference(modules, ref_params, what)
+        for p in [p for m in modules.values() for p in m.parameters()] + list(reference.parameters()):
+            p.grad = None
+
+    check_step(schedule, 0, "first stage")
+    second, second_schedule = new_schedule(N_MICRO // 2)
+    check_step(second_schedule, 1, "second stage, the first alive")
+    check_step(schedule, 2, "the first stage again")
+    gone = [weakref.ref(stage) for stage in stages + second]
+    del stages, schedule, second, second_schedule
+    gc.collect()
+    assert all(ref() is None for ref in gone), "a deleted stage is still alive"
+    _, third_schedule = new_schedule(N_MICRO)
+    check_step(third_schedule, 3, "a third stage after the first two were deleted")
+    dist.barrier()
+
+
+def case_tied_parameter_checks(rank, world):
+    """TiedParameter compares its copies across the ranks in its constructor: (3, 4) against (4, 3),
+    (3, 4) against (3, 5), float32 against bfloat16, and ranks lists that differ, each raise a
+    ValueError on every rank naming both; nothing is left in flight (a matching tie then sums)."""
+    holders = [0, world - 1]
+    cases = [((3, 4), torch.float32, (4, 3), torch.float32, "rank 0 holds shape (3, 4) torch.float32; "
+              f"rank {world - 1} holds shape (4, 3) torch.float32"),
+             ((3, 4), torch.float32, (3, 5), torch.float32, f"rank {world - 1} holds shape (3, 5)"),
+             ((3, 4), torch.float32, (3, 4), torch.bfloat16, f"rank {world - 1} holds shape (3, 4) torch.bfloat16")]
+    for first, first_dtype, last, last_dtype, expected in cases:
+        copies = []
+        if rank == 0:
+            copies = [torch.zeros(first, dtype=first_dtype, requires_grad=True)]
+        elif rank == world - 1:
+            copies = [torch.zeros(last, dtype=last_dtype, requires_grad=True)]
+        try:
+            splitgrad.pipelining.TiedParameter(copies, ranks=holders)
+        except ValueError as error:
+            assert "one shape and one gradient dtype" in str(error) and expected in str(error), str(error)
+        else:
+            raise AssertionError(f"TiedParameter accepted {first} {first_dtype} against {last} {last_dtype}")
+    copies = [nn.Parameter(torch.zeros(3, 4))] if rank in holders else []
+    if world > 2:  # (with 2 ranks there is no other list of two or more)
+        try:
+            splitgrad.pipelining.TiedParameter(copies, ranks=holders if rank else [0, 1, world - 1])
+        except ValueError as error:
+            assert "every rank must pass the same ranks" in str(error) and "[0, 1, 3]" in str(error), str(error)
+        else:
+            raise AssertionError("TiedParameter accepted ranks that differ between the ranks")
+    tied = splitgrad.pipelining.TiedParameter(copies, ranks=holders)
+    for copy in copies:
+        copy.grad = torch.full((3, 4), float(rank + 1))
+    tied.sync_grads()
+    for copy in copies:
+        torch.testing.assert_close(copy.grad, torch.full((3, 4), float(1 + world)), rtol=0, atol=0)
+    dist.barrier()
+
+
 # ------------------------------------------------------------------------------------------------
 # The worker
 # ------------------------------------------------------------------------------------------------
@@ -426,6 +504,8 @@ CASES = {f"schedule[{name}]": functools.partial(run_schedule, name=name) for nam
 CASES["schedule[ZB1P-main_grad]"] = functools.partial(run_schedule, name="ZB1P", fused=True)
 CASES["schedule[ZBV-main_grad]"] = functools.partial(run_schedule, name="ZBV", fused=True)
 CASES["leftover_work"] = case_leftover_work
+CASES["second_stage"] = case_second_stage
+CASES["tied_parameter_checks"] = case_tied_parameter_checks
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -456,6 +536,14 @@ def test_schedule_matches_plain_autograd(results, schedule):
 
 def test_leftover_deferred_work_is_an_error_and_nothing_is_lost(results):
     check_case(results, "leftover_work")
+
+
+def test_second_stage_over_the_same_module(results):
+    check_case(results, "second_stage")
+
+
+def test_tied_parameter_compares_copies_across_ranks(results):
+    check_case(results, "tied_parameter_checks")
 
 
 # ------------------------------------------------------------------------------------------------
