@@ -43,6 +43,11 @@ __all__ = ["GradReducer", "fully_shard", "finish_fsdp_reductions", "fsdp_reducti
 _MODES = ("all_reduce", "reduce_scatter")
 
 
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def _gradient_source(param: torch.Tensor) -> torch.Tensor | None:
     """Where ``param``'s gradient lives: ``main_grad`` (fuse_wgrad_accumulation / Megatron) if the
     parameter has one, else ``.grad``."""
@@ -288,7 +293,7 @@ class GradReducer:
             while self._next < len(self._buckets) and \
                     self._buckets[self._next].ready == len(self._buckets[self._next].params):
                 self._launch(self._buckets[self._next])
-            if self._next == len(self._buckets) and self._used_work is None:
+            if self._next == len(self._buckets) and self._used_work is None and not _capturing():
                 self._launch_used_map()
 
     def _launch(self, bucket: _Bucket) -> None:
@@ -352,14 +357,17 @@ class GradReducer:
             try:
                 while self._next < len(self._buckets):
                     self._launch(self._buckets[self._next])
-                if self._used_work is None:
-                    self._launch_used_map()
-                self._used_work.wait()
-                n = len(self._names)
-                counts = self._used_map.cpu().tolist()
                 keys = list(self._names)
-                used = {key: counts[i] for i, key in enumerate(keys)}
-                owing = {key for i, key in enumerate(keys) if counts[n + i]}
+                if _capturing():
+                    used, owing = self._local_decision(keys)
+                else:
+                    if self._used_work is None:
+                        self._launch_used_map()
+                    self._used_work.wait()
+                    n = len(self._names)
+                    counts = self._used_map.cpu().tolist()
+                    used = {key: counts[i] for i, key in enumerate(keys)}
+                    owing = {key for i, key in enumerate(keys) if counts[n + i]}
                 not_ready = {key for key in keys if used[key] < self.world_size}
                 bad = owing | (set() if self.find_unused_parameters else not_ready)
                 self._unused = ({key for key in keys if used[key] == 0 and key not in owing}
@@ -391,6 +399,19 @@ class GradReducer:
                 self._reset()
             if message:
                 raise RuntimeError(message)
+
+    def _local_decision(self, keys: list) -> tuple[dict, set]:
+        """Under CUDA-graph capture no host synchronisation is allowed, so the ranks' readiness cannot
+        be exchanged: a captured step must make every parameter ready on this rank (what a replayed
+        step does on every rank alike); anything else is refused here, at capture."""
+        missing = [self._names[key] for key in keys if key not in self._ready]
+        if missing:
+            raise RuntimeError(
+                f"GradReducer.finish() under CUDA-graph capture: {len(missing)} parameter(s) did not become "
+                f"ready in the captured step ({', '.join(repr(n) for n in missing)}); a captured step "
+                "cannot exchange readiness between ranks (that needs a host synchronisation), so every "
+                "parameter must be used and its backward_dw() run inside the captured step.")
+        return {key: self.world_size for key in keys}, set()
 
     def _unreduced_message(self, left: list[_Bucket], used: dict, owing: set, bad: set) -> str:
         left_ids = {id(p) for bucket in left for p in bucket.params}
