@@ -171,10 +171,11 @@ size_t operand_bytes(const Operand& op, int64_t stored_cols) {
   return static_cast<size_t>(op.ld) * static_cast<size_t>(stored_cols) * element_bytes(op.type);
 }
 
-// The candidate the plan should use: the fastest of those that compute what the first launchable
-// one computes, bit for bit. Operands are the tuner's own (fixed pseudo-random values, so no
-// special values in the caller's data can make two candidates look alike), or the caller's if
-// there is no memory for them. Returns -1 when nothing could be timed (the first stands).
+// The candidate the plan should use: the fastest of those that compute what the heuristic's first
+// choice (the untuned plan's algorithm) computes, bit for bit, on operands of the tuner's own
+// (fixed pseudo-random values: no special values in the caller's data can make candidates of
+// other arithmetic look alike). Returns -1 to keep the first choice: no memory for the tuner's
+// operands, or the first choice itself could not be run and timed.
 int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cudaStream_t stream) {
   if (args.epilogue != Epilogue::kNone &&
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias,
@@ -183,69 +184,60 @@ int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cuda
   }
   Scratch scratch(stream);
   const size_t d_bytes = static_cast<size_t>(args.ldd) * args.n * element_bytes(args.d_type);
+  const size_t a_bytes = operand_bytes(args.a, args.a.transposed ? args.m : args.k);
+  const size_t b_bytes = operand_bytes(args.b, args.b.transposed ? args.k : args.n);
   void* reference = scratch.get(d_bytes);
   void* output = scratch.get(d_bytes);
   auto* differing = static_cast<unsigned int*>(scratch.get(sizeof(unsigned int)));
-  if (reference == nullptr || output == nullptr || differing == nullptr) return -1;
-  const void* a = args.a.data;
-  const void* b = args.b.data;
-  const size_t a_bytes = operand_bytes(args.a, args.a.transposed ? args.m : args.k);
-  const size_t b_bytes = operand_bytes(args.b, args.b.transposed ? args.k : args.n);
-  void* own_a = scratch.get(a_bytes);
-  void* own_b = own_a != nullptr ? scratch.get(b_bytes) : nullptr;
-  if (own_b != nullptr &&
-      fill_pseudo_random(own_a, args.a.type, a_bytes / element_bytes(args.a.type), 1, stream) ==
-          cudaSuccess &&
-      fill_pseudo_random(own_b, args.b.type, b_bytes / element_bytes(args.b.type), 2, stream) ==
+  void* a = scratch.get(a_bytes);
+  void* b = scratch.get(b_bytes);
+  if (reference == nullptr || output == nullptr || differing == nullptr || a == nullptr ||
+      b == nullptr ||
+      fill_pseudo_random(a, args.a.type, a_bytes / element_bytes(args.a.type), 1, stream) !=
+          cudaSuccess ||
+      fill_pseudo_random(b, args.b.type, b_bytes / element_bytes(args.b.type), 2, stream) !=
           cudaSuccess) {
-    a = own_a, b = own_b;
+    return -1;
   }
   cudaEvent_t start = nullptr, stop = nullptr;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
   const float alpha = 1.0f, beta = 0.0f;
-  int first = -1, best = -1;
+  int best = -1;
   float best_ms = 0.0f;
   for (int i = 0; i < static_cast<int>(plan.candidates.size()); ++i) {
     const auto& candidate = plan.candidates[i];
-    if (candidate.state != CUBLAS_STATUS_SUCCESS || candidate.workspaceSize > args.workspace_bytes)
-      continue;
-    void* d = first < 0 ? reference : output;
+    const bool is_reference = i == 0;
+    void* d = is_reference ? reference : output;
     auto launch = [&] {
       return cublasLtMatmul(handle, plan.desc, &alpha, a, plan.a, b, plan.b, &beta, d, plan.d, d,
                             plan.d, &candidate.algo, args.workspace, args.workspace_bytes, stream);
     };
     // Padding between D's columns (ldd > m) is never written: zero it in both outputs.
-    if (cudaMemsetAsync(d, 0, d_bytes, stream) != cudaSuccess ||
-        launch() != CUBLAS_STATUS_SUCCESS) {
-      cudaGetLastError();
-      continue;
+    bool ok = candidate.state == CUBLAS_STATUS_SUCCESS &&
+              candidate.workspaceSize <= args.workspace_bytes &&
+              cudaMemsetAsync(d, 0, d_bytes, stream) == cudaSuccess &&
+              launch() == CUBLAS_STATUS_SUCCESS;
+    if (ok && !is_reference) {
+      unsigned int differs = 0;
+      ok = cudaMemsetAsync(differing, 0, sizeof(unsigned int), stream) == cudaSuccess &&
+           count_differing_words(reference, output, d_bytes, differing, stream) == cudaSuccess &&
+           cudaMemcpyAsync(&differs, differing, sizeof(differs), cudaMemcpyDeviceToHost,
+                           stream) == cudaSuccess &&
+           cudaStreamSynchronize(stream) == cudaSuccess &&
+           differs == 0;  // else other arithmetic (a split-K, another reduction order)
     }
-    unsigned int differs = 0;
-    if (first >= 0) {
-      if (cudaMemsetAsync(differing, 0, sizeof(unsigned int), stream) != cudaSuccess ||
-          count_differing_words(reference, output, d_bytes, differing, stream) != cudaSuccess ||
-          cudaMemcpyAsync(&differs, differing, sizeof(differs), cudaMemcpyDeviceToHost, stream) !=
-              cudaSuccess ||
-          cudaStreamSynchronize(stream) != cudaSuccess) {
-        cudaGetLastError();
-        continue;
-      }
-      if (differs != 0) continue;  // other arithmetic (a split-K, another reduction order)
-    }
-    cudaEventRecord(start, stream);
-    bool ok = true;
-    for (int run = 0; run < kTimedRuns && ok; ++run) ok = launch() == CUBLAS_STATUS_SUCCESS;
-    cudaEventRecord(stop, stream);
     float ms = 0.0f;
-    if (!ok || cudaEventSynchronize(stop) != cudaSuccess ||
-        cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
-      cudaGetLastError();
-      if (first < 0) break;  // no reference to compare with: keep the heuristic's first
-      continue;
+    if (ok) {
+      cudaEventRecord(start, stream);
+      for (int run = 0; run < kTimedRuns && ok; ++run) ok = launch() == CUBLAS_STATUS_SUCCESS;
+      cudaEventRecord(stop, stream);
+      ok = ok && cudaEventSynchronize(stop) == cudaSuccess &&
+           cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
     }
-    if (first < 0) first = i;
-    if (best < 0 || ms < best_ms) best = i, best_ms = ms;
+    if (!ok) cudaGetLastError();     // this call's failure must not surface in a later check
+    if (!ok && is_reference) break;  // nothing to compare with: the first choice stands
+    if (ok && (best < 0 || ms < best_ms)) best = i, best_ms = ms;
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
@@ -256,7 +248,7 @@ int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cuda
 // is being captured into a CUDA graph: it cannot be synchronised; a later call tunes).
 void tune_if_pending(cublasLtHandle_t handle, Plan& plan, const GemmArgs& args,
                      cudaStream_t stream) {
-  if (!plan.tuning_pending || capturing(stream)) return;
+  if (!plan.tuning_pending || !args.autotune || capturing(stream)) return;
   plan.tuning_pending = false;
   if (const int best = choose(handle, plan, args, stream); best >= 0) {
     plan.algo = plan.candidates[best].algo;
@@ -341,7 +333,7 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, c
   }
   plan->algo = results[0].algo;
   plan->found = true;
-  if (count > 1 && args.autotune && autotune_enabled()) {
+  if (count > 1 && autotune_enabled()) {  // timed by the first call that may (not under capture)
     plan->candidates.assign(results, results + count);
     plan->tuning_pending = true;
   }

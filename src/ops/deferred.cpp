@@ -7,6 +7,7 @@
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <atomic>
 #include <exception>
@@ -58,40 +59,29 @@ namespace {
 std::mutex callback_mutex;
 std::function<void(const at::Tensor&)> main_grad_callback;
 
-// Where a parameter's gradient is added in place: its main_grad when fused, else its .grad, which
-// is materialised as zeros first if absent (0 + db is db exactly). A sparse .grad (left by a sparse
-// nn.Embedding tied to the layer) becomes dense first, as AccumulateGrad makes it when a dense
-// gradient is added to it.
-at::Tensor gradient_sink(const at::Tensor& param, const at::Tensor& main_grad) {
-  if (!param.defined()) return {};
-  if (main_grad.defined()) return main_grad;
-  at::Tensor& grad = param.mutable_grad();
-  if (!grad.defined()) {
-    grad = at::zeros_like(param, at::MemoryFormat::Preserve);
-  } else if (grad.layout() != at::kStrided) {
-    grad = grad.to_dense();
-  }
-  return grad;
+// The dtype autograd gives `param`'s .grad: its grad_dtype (a bf16 parameter may keep fp32
+// gradients), else its own; nullopt where any dtype is allowed.
+std::optional<at::ScalarType> grad_dtype_of(const at::Tensor& param) {
+  const auto* meta = torch::autograd::impl::get_autograd_meta(param);
+  return meta != nullptr ? meta->grad_dtype(param) : std::optional(param.scalar_type());
 }
 
-// dW into the weight's .grad with autograd's own arithmetic (AccumulateGrad): the first gradient
-// is stored as computed, a later one computed on its own (rounded to the gradient's dtype) and
-// then added — not added inside the GEMM (beta = 1), whose rounding differs. So a deferred .grad
-// is bit-identical to the immediate path's whenever the contributions arrive in the same order.
-// Returns the bias gradient computed alongside, when `bias_too` and the weight had no .grad.
-at::Tensor add_weight_grad_as_autograd(const at::Tensor& grad_output, const at::Tensor& input,
-                                       const at::Tensor& weight, bool bias_too) {
-  at::Tensor& grad = weight.mutable_grad();
+// Adds `value` to `param`'s .grad with AccumulateGrad's arithmetic: without a .grad, the value
+// becomes it (cast to the gradient's dtype, laid out as the parameter); else the value is added in
+// place (a sparse .grad, left by a sparse nn.Embedding tied to the layer, becomes dense first).
+void add_to_grad(const at::Tensor& param, at::Tensor value) {
+  at::Tensor& grad = param.mutable_grad();
   if (!grad.defined()) {
-    auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, bias_too);
-    grad = weight_grad.strides() == weight.strides()
-               ? weight_grad
-               : at::empty_like(weight, at::MemoryFormat::Preserve).copy_(weight_grad);
-    return bias_too ? bias_grad : at::Tensor();
+    const auto dtype = grad_dtype_of(param);
+    if (dtype.has_value() && value.scalar_type() != *dtype) value = value.to(*dtype);
+    grad = value.strides() == param.strides()
+               ? value
+               : at::empty_like(param, value.options().memory_format(at::MemoryFormat::Preserve))
+                     .copy_(value);
+    return;
   }
   if (grad.layout() != at::kStrided) grad = grad.to_dense();
-  grad.add_(std::get<0>(ops::linear_wgrad(grad_output, input, /*compute_bias_grad=*/false)));
-  return {};
+  grad.add_(value);
 }
 
 std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
@@ -117,24 +107,33 @@ void notify_main_grad_accumulated(const at::Tensor& param) {
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks) {
   at::NoGradGuard no_grad;
-  const bool weight_into_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
-  const bool bias_into_grad = sinks.bias.defined() && !sinks.bias_main_grad.defined();
-  bool bias_done = false;
-  if (weight_into_grad) {
-    const bool bias_too = bias_into_grad && !sinks.bias.grad().defined();
-    if (at::Tensor bias_grad =
-            add_weight_grad_as_autograd(grad_output, input, sinks.weight, bias_too);
-        bias_grad.defined()) {
-      sinks.bias.mutable_grad() = bias_grad;
-      bias_done = true;
-    }
+  c10::InferenceMode not_inference(false);  // a .grad made here must outlive inference mode
+  // A .grad gets autograd's own arithmetic: the gradient is computed on its own (rounded to the
+  // inputs' dtype) and then stored or added, as AccumulateGrad does, so the deferred path is
+  // bit-identical to the immediate one. The exception, in place with the same rounding: a bias
+  // .grad of the inputs' dtype (the bias kernel rounds the sum before adding, as add_ does).
+  // A main_grad is accumulated in place: dW inside the GEMM in fp32 (beta = 1, no temporary).
+  const bool weight_to_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
+  const at::Tensor bias_grad = sinks.bias.defined() ? sinks.bias.grad() : at::Tensor();
+  const bool bias_in_place =
+      sinks.bias.defined() && (sinks.bias_main_grad.defined() ||
+                               (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+                                bias_grad.scalar_type() == grad_output.scalar_type()));
+  const bool bias_value = sinks.bias.defined() && !bias_in_place;
+  if (weight_to_grad) {
+    auto [weight_grad, db] = ops::linear_wgrad(grad_output, input, bias_value);
+    add_to_grad(sinks.weight, weight_grad);
+    if (bias_value) add_to_grad(sinks.bias, db);
+  } else if (bias_value) {  // the bias kernel's sum on its own: 0 + round(Σ dy) = round(Σ dy)
+    at::Tensor db = at::zeros({sinks.bias.size(0)}, grad_output.options());
+    ops::linear_wgrad_accumulate_(grad_output, input, std::nullopt, db);
+    add_to_grad(sinks.bias, db);
   }
-  // In place: dW into an fp32 main_grad inside the GEMM (beta = 1, no temporary); db into its
-  // main_grad or .grad (the bias kernel rounds as `grad.add_(db)` does, so .grad matches autograd).
   const at::Tensor weight_sink =
-      weight_into_grad ? at::Tensor() : gradient_sink(sinks.weight, sinks.weight_main_grad);
-  const at::Tensor bias_sink =
-      bias_done ? at::Tensor() : gradient_sink(sinks.bias, sinks.bias_main_grad);
+      sinks.weight.defined() && !weight_to_grad ? sinks.weight_main_grad : at::Tensor();
+  const at::Tensor bias_sink = !bias_in_place                   ? at::Tensor()
+                               : sinks.bias_main_grad.defined() ? sinks.bias_main_grad
+                                                                : bias_grad;
   if (weight_sink.defined() || bias_sink.defined()) {
     ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
                                   optional_if_defined(bias_sink));
