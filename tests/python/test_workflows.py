@@ -124,6 +124,25 @@ def test_autocast_cpu_matches_nn_linear(delay, fused):
     _autocast_case("cpu", delay, fused)
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_autocast_takes_a_low_precision_activation(delay):
+    """A bf16 activation into an fp32 layer under autocast (refused before): as nn.Linear."""
+    model = layer(delay)
+    ref = plain_twin(model)
+    x = torch.randn(3, D, dtype=torch.bfloat16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = model(x), ref(xr)
+        exact(torch.ops.splitgrad.linear_fprop(x, model.weight, model.bias), yr)
+    exact(y, yr)
+    y.float().sum().backward()
+    yr.float().sum().backward()
+    if delay:
+        model.backward_dw()
+    exact(x.grad, xr.grad)
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad, rtol=1e-2, atol=1e-2)
+
+
 @CUDA
 @pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
 @pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
