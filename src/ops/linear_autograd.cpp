@@ -45,6 +45,13 @@ at::Tensor in_compute_dtype(const at::Tensor& t, std::optional<at::ScalarType> d
   return dtype.has_value() && t.defined() && t.scalar_type() != *dtype ? t.to(*dtype) : t;
 }
 
+at::Tensor fprop(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
+                 std::optional<at::ScalarType> compute_dtype) {
+  OptTensor bias_now = bias;
+  if (bias_now.has_value()) bias_now = in_compute_dtype(*bias_now, compute_dtype);
+  return ops::linear_fprop(input, in_compute_dtype(weight, compute_dtype), bias_now);
+}
+
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
@@ -67,9 +74,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     // Kept for the message about a layer deleted before its backward (its registration is gone).
     if (delay) ctx->saved_data["layer_name"] = core::WgradStore::instance().layer_name(layer_id);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return ops::linear_fprop(input, in_compute_dtype(weight, compute_dtype),
-                             bias.has_value() ? OptTensor(in_compute_dtype(*bias, compute_dtype))
-                                              : bias);
+    return fprop(input, weight, bias, compute_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -116,12 +121,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     // Only a gradient this pass adds to a parameter's .grad may be deferred or fused. A computed
     // (non-leaf) weight's flows on through autograd to the tensors it came from (a main_grad
     // given with it is not used), and one that autograd.grad asked for is returned to it: both
-    // are computed now. Autograd casts the
-    // returned gradients to the parameters' dtype (autocast computes in a narrower one).
+    // are computed now. Autograd casts returned gradients to the parameters' dtype (autocast
+    // computes in a narrower one).
     const bool weight_sink = weight_wanted && pass_accumulates_into(weight_param);
     const bool bias_sink = bias_wanted && pass_accumulates_into(bias);
-    const bool fused = (weight_sink && weight_main_grad.defined()) ||
-                       (bias_sink && bias_main_grad.defined());
+    const bool fused =
+        (weight_sink && weight_main_grad.defined()) || (bias_sink && bias_main_grad.defined());
     if (!delay && !fused) {  // the regular path: autograd accumulates, exactly as for nn.Linear
       auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, bias_wanted);
       if (weight_wanted) grads[1] = weight_grad;
@@ -205,9 +210,7 @@ at::Tensor linear_forward_only(const at::Tensor& input, const at::Tensor& weight
   const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
   check_layer_args(layer_id, delay_wgrad_compute, input, weight, bias, weight_main_grad,
                    bias_main_grad, compute_dtype);
-  return ops::linear_fprop(input, in_compute_dtype(weight, compute_dtype),
-                           bias.has_value() ? OptTensor(in_compute_dtype(*bias, compute_dtype))
-                                            : bias);
+  return fprop(input, weight, bias, compute_dtype);
 }
 
 }  // namespace
