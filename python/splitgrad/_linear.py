@@ -44,9 +44,6 @@ def _exporting() -> bool:
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
-def _tracing() -> bool:
-    """True while torch.jit.trace or torch.fx records a graph (torch.export: is_exporting())."""
-    return torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_tracing()
 
 
 @torch.compiler.disable
@@ -182,7 +179,7 @@ class Linear(nn.Module):
                 out = _linear_delayed_outside_graph(
                     inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id
                 )
-            elif _tracing():
+            elif torch.jit.is_tracing():
                 out = self._regular_unregistered(inp, bias)
             else:
                 out = _linear_op(
@@ -197,7 +194,7 @@ class Linear(nn.Module):
             raise DTypeError(str(error)) from None
 
     def _regular_unregistered(self, inp, bias):
-        # A graph meant to outlive this process (torch.export, torch.jit.trace, torch.fx) records a
+        # A graph meant to outlive this process (torch.export, torch.jit.trace) records a
         # regular, unfused call under no layer id (0): it depends on no process-local registration,
         # and its gradients go to .grad at once.
         return _linear_op(inp, self.weight, bias, None, None, 0, False)

@@ -324,6 +324,20 @@ def test_export_does_not_depend_on_the_process_registry_cuda(tmp_path):
     _export_roundtrip("cuda", tmp_path)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+def test_jit_trace_records_a_regular_unregistered_call():
+    model = layer(True)
+    ref = plain_twin(model)
+    x = torch.randn(3, D)
+    traced = torch.jit.trace(model, (x,))
+    calls = [n for n in traced.inlined_graph.nodes() if n.kind() == "splitgrad::linear"]
+    assert len(calls) == 1 and [i.toIValue() for i in list(calls[0].inputs())[5:]] == [0, False]
+    traced(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert splitgrad.pending_wgrads() == 0
+    exact(model.weight.grad, ref.weight.grad)
+
+
 # 8. Deleted models are freed ------------------------------------------------------------------
 
 
