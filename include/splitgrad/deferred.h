@@ -86,8 +86,9 @@ class GradReadyHookHandle {
 
 /// Calls `hook(param)` exactly once per backward pass that contributes to `param`, after the last
 /// contribution of that pass has landed — immediate (autograd, regular layers) or deferred
-/// (backward_dw), from any layer or ordinary autograd op. `param` must be a leaf that requires
-/// grad.
+/// (backward_dw), from any layer or ordinary autograd op. Passes that write no gradient
+/// (autograd::grad) do not call it. `param` must be a leaf that requires grad; the hook is
+/// dropped with it (neither the hook nor its handle keeps `param` alive).
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
 
 /// Sets where a parameter's fp32 gradient buffer lives for fuse_wgrad_accumulation (Megatron's

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -37,11 +39,63 @@ def layers_with_pending_wgrads(params: Iterable[torch.Tensor] | None = None) -> 
     return _C.layers_with_pending_wgrads(list(params) if params is not None else [])
 
 
-def register_grad_ready_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], None]):
-    """Call ``fn(param)`` exactly once per backward pass, after the last contribution to ``param``
-    of that pass has landed (immediate or deferred, from any layer or ordinary autograd op).
+class _HookStore:
+    """A parameter's grad-ready hooks, kept on the parameter's Python object (``param.__dict__``) so
+    that the garbage collector sees them: a hook whose closure refers to the model no longer keeps
+    the model alive (the C++ side holds only a key). Copies and pickles of the parameter get an
+    empty store: hooks belong to the parameter they were registered on."""
 
-    Returns a handle whose ``remove()`` unregisters the hook.
+    def __init__(self) -> None:
+        self.hooks: dict[int, Callable[[torch.Tensor], None]] = {}
+
+    def __reduce__(self):
+        return (_HookStore, ())
+
+    def __deepcopy__(self, memo):
+        return _HookStore()
+
+
+_STORE_ATTR = "_splitgrad_grad_ready_hooks"
+_hook_keys = itertools.count(1)
+
+
+def _run_grad_ready_hook(key: int, param: torch.Tensor) -> None:
+    store = param.__dict__.get(_STORE_ATTR)
+    fn = store.hooks.get(key) if store is not None else None
+    if fn is not None:
+        fn(param)
+
+
+class GradReadyHookHandle:
+    """Returned by :func:`register_grad_ready_hook`; ``remove()`` unregisters the hook."""
+
+    def __init__(self, param: torch.Tensor, key: int, handle) -> None:
+        self._param = weakref.ref(param)
+        self._key = key
+        self._handle = handle
+
+    @property
+    def active(self) -> bool:
+        return self._handle.active
+
+    def remove(self) -> None:
+        self._handle.remove()
+        param = self._param()
+        store = param.__dict__.get(_STORE_ATTR) if param is not None else None
+        if store is not None:
+            store.hooks.pop(self._key, None)
+            if not store.hooks:
+                del param.__dict__[_STORE_ATTR]
+
+
+def register_grad_ready_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], None]) -> GradReadyHookHandle:
+    """Call ``fn(param)`` exactly once per backward pass that adds to ``param.grad`` (or its
+    ``main_grad``), after the last contribution to ``param`` of that pass has landed (immediate or
+    deferred, from any layer or ordinary autograd op). Passes that write no gradient
+    (``torch.autograd.grad``) do not call it, as with ``register_post_accumulate_grad_hook``.
+
+    The hook is kept on ``param`` itself: it does not keep ``param``'s module alive. Returns a
+    handle whose ``remove()`` unregisters the hook.
     """
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"register_grad_ready_hook: expected a torch.Tensor parameter, got {type(param).__name__}")
@@ -52,7 +106,13 @@ def register_grad_ready_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], N
             "register_grad_ready_hook: expected a leaf tensor that requires grad (a parameter), got one "
             f"with is_leaf={param.is_leaf}, requires_grad={param.requires_grad}"
         )
-    return _C.register_grad_ready_hook(param, fn)
+    key = next(_hook_keys)
+    store = param.__dict__.get(_STORE_ATTR)
+    if store is None:
+        store = param.__dict__[_STORE_ATTR] = _HookStore()
+    store.hooks[key] = fn
+    # The C++ side holds only this module-level function and the key, never fn.
+    return GradReadyHookHandle(param, key, _C.register_grad_ready_hook(param, functools.partial(_run_grad_ready_hook, key)))
 
 
 _POLICIES = ("warn", "error")

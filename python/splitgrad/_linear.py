@@ -38,6 +38,14 @@ def _default_device() -> torch.device:
 _linear_op = torch.ops.splitgrad.linear.default
 
 
+def _exporting() -> bool:
+    # torch.compiler.is_exporting() is constant-folded to True by Dynamo under torch.compile too;
+    # the flag it reads is set by torch.export only.
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
+
+
 @torch.compiler.disable
 def _linear_delayed_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id):
     # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
@@ -112,11 +120,22 @@ class Linear(nn.Module):
         self._layer = _C.LayerHandle(name or "")
         self._layer_id = self._layer.id
         if not name:
-            self._layer.name = f"Linear({in_features}, {out_features})#{self._layer_id}"
+            self._layer.name = self._default_name(self._layer_id)
         self._reduce_hooks: list[Callable] = []
         self._reduce_hook_handles: list = []
         self.register_state_dict_pre_hook(Linear._state_dict_pre_hook)
         self.reset_parameters(init_method)
+
+    def _default_name(self, layer_id) -> str:
+        return f"Linear({self.in_features}, {self.out_features})#{layer_id}"
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling it.
+        raise TypeError(
+            f"splitgrad layer '{self.name}' cannot be compiled by torch.jit.script (TorchScript is "
+            "deprecated and cannot express its deferred-wgrad state); use torch.compile, or "
+            "torch.export / torch.jit.trace, which record it as a regular layer"
+        )
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         with torch.no_grad():
@@ -145,7 +164,7 @@ class Linear(nn.Module):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
         if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"{self.name}: expected a torch.Tensor input, got {type(inp).__name__}")
+            raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
         # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
         bias = None if self.return_bias else self.bias
         weight_main_grad = bias_main_grad = None
@@ -154,10 +173,14 @@ class Linear(nn.Module):
             if bias is not None:
                 bias_main_grad = self._main_grad_of(bias, "bias", required=False)
         try:
-            if self.delay_wgrad_compute and torch.compiler.is_compiling():
+            if _exporting():
+                out = self._regular_unregistered(inp, bias)
+            elif self.delay_wgrad_compute and torch.compiler.is_compiling():
                 out = _linear_delayed_outside_graph(
                     inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id
                 )
+            elif torch.jit.is_tracing():
+                out = self._regular_unregistered(inp, bias)
             else:
                 out = _linear_op(
                     inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,
@@ -169,6 +192,12 @@ class Linear(nn.Module):
             raise kind(str(error)) from None
         except TypeError as error:
             raise DTypeError(str(error)) from None
+
+    def _regular_unregistered(self, inp, bias):
+        # A graph meant to outlive this process (torch.export, torch.jit.trace) records a
+        # regular, unfused call under no layer id (0): it depends on no process-local registration,
+        # and its gradients go to .grad at once.
+        return _linear_op(inp, self.weight, bias, None, None, 0, False)
 
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its
@@ -238,8 +267,11 @@ class Linear(nn.Module):
         return state
 
     def __setstate__(self, state):
-        # deepcopy / unpickling gives the copy a layer registration of its own; keep the id in step
+        # deepcopy / unpickling gives the copy a layer registration of its own; keep the id in step,
+        # and give a copy named by default a default name of its own
         super().__setstate__(state)
+        if self._layer.name == self._default_name(state.get("_layer_id")):
+            self._layer.name = self._default_name(self._layer.id)
         self._layer_id = self._layer.id
         self._reduce_hook_handles = []
         if self._reduce_hooks:

@@ -24,13 +24,36 @@ std::string dtype_name(at::ScalarType type) {
       return "torch.float16";
     case at::kBFloat16:
       return "torch.bfloat16";
+    case at::kLong:
+      return "torch.int64";
+    case at::kInt:
+      return "torch.int32";
+    case at::kShort:
+      return "torch.int16";
+    case at::kChar:
+      return "torch.int8";
+    case at::kByte:
+      return "torch.uint8";
+    case at::kBool:
+      return "torch.bool";
+    case at::kComplexHalf:
+      return "torch.complex32";
+    case at::kComplexFloat:
+      return "torch.complex64";
+    case at::kComplexDouble:
+      return "torch.complex128";
+    case at::kFloat8_e4m3fn:
+      return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2:
+      return "torch.float8_e5m2";
     default:
       return std::string("torch.") + c10::toString(type);
   }
 }
 
 void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
+                       const std::optional<at::Tensor>& bias,
+                       std::optional<at::ScalarType> compute_dtype) {
   TORCH_CHECK_VALUE(weight.dim() == 2, who(), ": expected a weight of shape [out_features, ",
                     "in_features], got shape ", weight.sizes());
   const int64_t in_features = weight.size(1);
@@ -39,9 +62,11 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
                     "), got shape ", input.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(weight.scalar_type()), who(),
                    ": expected a floating-point weight, got ", dtype_name(weight.scalar_type()));
-  TORCH_CHECK_TYPE(input.scalar_type() == weight.scalar_type(), who(), ": expected input of dtype ",
-                   dtype_name(weight.scalar_type()), " (the weight's dtype), got ",
-                   dtype_name(input.scalar_type()));
+  const at::ScalarType input_dtype = compute_dtype.value_or(weight.scalar_type());
+  TORCH_CHECK_TYPE(input.scalar_type() == input_dtype, who(), ": expected input of dtype ",
+                   dtype_name(input_dtype),
+                   compute_dtype.has_value() ? " (autocast's dtype)" : " (the weight's dtype)",
+                   ", got ", dtype_name(input.scalar_type()));
   TORCH_CHECK(input.device() == weight.device(), who(), ": expected input on ", weight.device(),
               " (the weight's device), got ", input.device());
   if (bias.has_value() && bias->defined()) {

@@ -25,12 +25,14 @@ at::Tensor flatten_tokens(const at::Tensor& t);
 /// `sizes` with its last entry replaced: the output shape of a linear map over [*, features].
 std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last);
 
-/// "torch.bfloat16" for BFloat16, as Python users write it.
+/// "torch.bfloat16" for BFloat16, "torch.int64" for Long: as Python prints dtypes.
 std::string dtype_name(at::ScalarType type);
 
-/// input [*, in_features] and weight [out, in] (and bias [out]) of one floating dtype, one device.
+/// input [*, in_features] and weight [out, in] (and bias [out]) of one floating dtype, one device;
+/// under autocast the input is in autocast's `compute_dtype` instead of the weight's.
 void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias);
+                       const std::optional<at::Tensor>& bias,
+                       std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
 /// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input);

@@ -55,6 +55,18 @@ PassScope::~PassScope() {
   if (owns_pass_) GradLedger::instance().autograd_pass_finished(id_);
 }
 
+bool pass_accumulates_into(const at::Tensor& param) {
+  if (!param.is_leaf()) return false;
+  // Empty exec_info: backward() without inputs, every node runs. Otherwise only the nodes
+  // marked needed_ run; autograd.grad() only captures its inputs' gradients.
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (exec_info == nullptr || exec_info->empty()) return true;
+  const auto accumulator = torch::autograd::impl::try_get_grad_accumulator(param);
+  if (!accumulator) return false;
+  const auto it = exec_info->find(accumulator.get());
+  return it != exec_info->end() && it->second.needed_;
+}
+
 namespace {
 std::mutex callback_mutex;
 std::function<void(const at::Tensor&)> main_grad_callback;
@@ -317,7 +329,8 @@ std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor
 }
 
 struct GradReadyHookHandle::State {
-  at::Tensor param;  // strong while registered: the hook belongs to this parameter
+  // Weak: a handle must not keep its parameter (and the module that owns it) alive.
+  core::WeakTensor param;
   uint64_t ledger_key;
   unsigned tensor_hook;
 };
@@ -330,18 +343,19 @@ GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyH
                     "register_grad_ready_hook: expected a leaf tensor that requires grad (a "
                     "parameter), got one with is_leaf=",
                     param.is_leaf(), ", requires_grad=", param.requires_grad());
-  auto state = std::make_shared<GradReadyHookHandle::State>();
+  auto state = std::make_shared<GradReadyHookHandle::State>(
+      GradReadyHookHandle::State{core::WeakTensor(param.getIntrusivePtr()), 0, 0});
   state->ledger_key = GradLedger::instance().add_hook(param, std::move(hook));
   // Autograd's own contributions (AccumulateGrad) reach the ledger through a tensor hook; it holds
   // the parameter weakly, since the parameter owns it.
   core::WeakTensor weak(param.getIntrusivePtr());
   state->tensor_hook = param.register_hook([weak](const at::Tensor&) {
     at::Tensor p(weak.lock());
-    if (!p.defined()) return;
+    // autograd.grad() captures the gradient but writes no .grad: not a contribution.
+    if (!p.defined() || !detail::pass_accumulates_into(p)) return;
     detail::PassScope pass;
     GradLedger::instance().note_autograd_contribution(p, pass.id());
   });
-  state->param = param;
   GradReadyHookHandle handle;
   handle.state_ = std::move(state);
   return handle;
@@ -349,8 +363,11 @@ GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyH
 
 void GradReadyHookHandle::remove() {
   if (!state_) return;
-  GradLedger::instance().remove_hook(state_->param, state_->ledger_key);
-  state_->param.remove_hook(state_->tensor_hook);
+  const at::Tensor param(state_->param.lock());
+  if (param.defined()) {  // a dead parameter's hooks went with it
+    GradLedger::instance().remove_hook(param, state_->ledger_key);
+    param.remove_hook(state_->tensor_hook);
+  }
   state_.reset();
 }
 

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 
 #include "core/grad_ledger.h"
@@ -26,6 +27,27 @@ class PassScope {
  private:
   core::PassId id_;
   bool owns_pass_;
+};
+
+/// Whether the backward pass now running adds to `param.grad`: true for a leaf whose
+/// AccumulateGrad runs (every leaf in backward(), those named in backward(inputs=...)); false for
+/// a computed (non-leaf) tensor and in autograd.grad(), which returns gradients and writes no
+/// .grad. Outside a backward pass: true.
+bool pass_accumulates_into(const at::Tensor& param);
+
+/// The dtype splitgrad::linear computes in for the call the autocast kernel makes
+/// (src/ops/linear_autocast.cpp): input in that dtype, parameters cast for the product only, so
+/// their gradients land in their own dtype. Unset (nullopt) outside that call.
+class AutocastComputeDtype {
+ public:
+  explicit AutocastComputeDtype(at::ScalarType dtype);
+  ~AutocastComputeDtype();
+  AutocastComputeDtype(const AutocastComputeDtype&) = delete;
+  AutocastComputeDtype& operator=(const AutocastComputeDtype&) = delete;
+  static std::optional<at::ScalarType> current();
+
+ private:
+  std::optional<at::ScalarType> previous_;
 };
 
 /// Where one linear application's weight gradients go. Undefined members receive nothing.

@@ -21,11 +21,12 @@ at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : 
 
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
                       const at::Tensor& weight, const OptTensor& bias,
-                      const OptTensor& weight_main_grad, const OptTensor& bias_main_grad) {
+                      const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
+                      std::optional<at::ScalarType> compute_dtype) {
   auto who = [&] {
     return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear");
   };
-  check_linear_args(who, input, weight, bias);
+  check_linear_args(who, input, weight, bias, compute_dtype);
   if (weight_main_grad.has_value()) check_main_grad(who, "weight", *weight_main_grad, weight);
   if (bias_main_grad.has_value()) {
     TORCH_CHECK_VALUE(bias.has_value() && bias->defined(), who(),
@@ -38,12 +39,27 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
                     layer_id, " is not)");
 }
 
+// The forward's compute dtype: autocast's (set by linear_autocast.cpp for this call), else the
+// weight's. The parameters are cast for the product only, so their gradients keep their dtype.
+at::Tensor in_compute_dtype(const at::Tensor& t, std::optional<at::ScalarType> dtype) {
+  return dtype.has_value() && t.defined() && t.scalar_type() != *dtype ? t.to(*dtype) : t;
+}
+
+at::Tensor fprop(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
+                 std::optional<at::ScalarType> compute_dtype) {
+  OptTensor bias_now = bias;
+  if (bias_now.has_value()) bias_now = in_compute_dtype(*bias_now, compute_dtype);
+  return ops::linear_fprop(input, in_compute_dtype(weight, compute_dtype), bias_now);
+}
+
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const OptTensor& bias, const OptTensor& weight_main_grad,
                             const OptTensor& bias_main_grad, int64_t layer_id, bool delay) {
-    check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad);
+    const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
+    check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad,
+                     compute_dtype);
     ctx->save_for_backward({input, weight});
     // The parameters themselves, for the gradient sinks: saved tensors may come back as other
     // tensors (activation checkpointing's saved-tensor hooks return recomputed copies), and a
@@ -54,8 +70,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->saved_data["bias_main_grad"] = value_or_undefined(bias_main_grad);
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
+    if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
+    // Kept for the message about a layer deleted before its backward (its registration is gone).
+    if (delay) ctx->saved_data["layer_name"] = core::WgradStore::instance().layer_name(layer_id);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return ops::linear_fprop(input, weight, bias);
+    return fprop(input, weight, bias, compute_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -65,27 +84,65 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor weight_param = ctx->saved_data["weight"].toTensor();
     const at::Tensor bias = ctx->saved_data["bias"].toTensor();
     const at::Tensor& grad_output = grad_outputs[0];
+    std::optional<at::ScalarType> compute_dtype;
+    if (ctx->saved_data.count("compute_dtype"))
+      compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
+    const bool delay = ctx->saved_data["delay"].toBool();
+    const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
     variable_list grads(7);  // one per forward argument
     if (!grad_output.defined()) return grads;
-    if (ctx->needs_input_grad(0)) grads[0] = ops::linear_dgrad(grad_output, weight);
+    // needs_input_grad is false for a parameter frozen at the forward (no edge to it) and for one
+    // this pass does not ask for (autograd.grad or backward(inputs=...) without it).
+    const bool weight_wanted = ctx->needs_input_grad(1) && weight_param.requires_grad();
+    const bool bias_wanted = bias.defined() && ctx->needs_input_grad(2) && bias.requires_grad();
+    const at::Tensor weight_main_grad = ctx->saved_data["weight_main_grad"].toTensor();
+    const at::Tensor bias_main_grad = ctx->saved_data["bias_main_grad"].toTensor();
 
-    // Deferred work is queued whenever the parameters train, even in a pass that asked autograd
-    // only for input gradients (a pipeline's B step): its W step is backward_dw().
-    const bool delay = ctx->saved_data["delay"].toBool();
-    const bool weight_trains = weight_param.requires_grad() && (delay || ctx->needs_input_grad(1));
-    const bool bias_trains =
-        bias.defined() && bias.requires_grad() && (delay || ctx->needs_input_grad(2));
-    if (!weight_trains && !bias_trains) return grads;
-    WgradSinks sinks{weight_trains ? weight_param : at::Tensor(), bias_trains ? bias : at::Tensor(),
-                     ctx->saved_data["weight_main_grad"].toTensor(),
-                     ctx->saved_data["bias_main_grad"].toTensor()};
-    const bool fused = sinks.weight_main_grad.defined() || sinks.bias_main_grad.defined();
-    if (!delay && !fused) {  // the regular path: autograd accumulates, exactly as for nn.Linear
-      auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, bias_trains);
-      if (weight_trains) grads[1] = weight_grad;
-      if (bias_trains) grads[2] = bias_grad;
+    if (at::GradMode::is_enabled()) {
+      // backward(create_graph=True): the gradients must be differentiable themselves, so they
+      // are computed now with ATen's differentiable ops (splitgrad's have no double backward).
+      TORCH_CHECK(!(weight_wanted && weight_main_grad.defined()) &&
+                      !(bias_wanted && bias_main_grad.defined()),
+                  layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"),
+                  ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
+                  "(double backward): main_grad is not differentiable. Build the layer with "
+                  "fuse_wgrad_accumulation=False for higher-order gradients.");
+      const at::Tensor dy = flatten_tokens(grad_output);
+      if (ctx->needs_input_grad(0))
+        grads[0] = at::matmul(grad_output, in_compute_dtype(weight, compute_dtype));
+      if (weight_wanted) grads[1] = at::mm(dy.t(), flatten_tokens(input));
+      if (bias_wanted) grads[2] = dy.sum(0);
       return grads;
     }
+    if (ctx->needs_input_grad(0))
+      grads[0] = ops::linear_dgrad(grad_output, in_compute_dtype(weight, compute_dtype));
+    if (!weight_wanted && !bias_wanted) return grads;
+
+    // Only a gradient this pass adds to a parameter's .grad may be deferred or fused. A computed
+    // (non-leaf) weight's flows on through autograd to the tensors it came from (a main_grad
+    // given with it is not used), and one that autograd.grad asked for is returned to it: both
+    // are computed now. Autograd casts returned gradients to the parameters' dtype (autocast
+    // computes in a narrower one).
+    const bool weight_sink = weight_wanted && pass_accumulates_into(weight_param);
+    const bool bias_sink = bias_wanted && pass_accumulates_into(bias);
+    const bool fused =
+        (weight_sink && weight_main_grad.defined()) || (bias_sink && bias_main_grad.defined());
+    if (!delay && !fused) {  // the regular path: autograd accumulates, exactly as for nn.Linear
+      auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, bias_wanted);
+      if (weight_wanted) grads[1] = weight_grad;
+      if (bias_wanted) grads[2] = bias_grad;
+      return grads;
+    }
+    if ((weight_wanted && !weight_sink) || (bias_wanted && !bias_sink)) {
+      auto [weight_grad, bias_grad] =
+          ops::linear_wgrad(grad_output, input, bias_wanted && !bias_sink);
+      if (weight_wanted && !weight_sink) grads[1] = weight_grad;
+      if (bias_wanted && !bias_sink) grads[2] = bias_grad;
+    }
+    if (!weight_sink && !bias_sink) return grads;
+    WgradSinks sinks{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
+                     weight_sink ? weight_main_grad : at::Tensor(),
+                     bias_sink ? bias_main_grad : at::Tensor()};
 
     PassScope pass;
     auto& ledger = core::GradLedger::instance();
@@ -96,13 +153,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       accumulate_wgrad(grad_output, input, sinks);
       return grads;
     }
-    const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
     if (!core::WgradStore::instance().is_registered(layer)) {
       // The layer was deleted between its forward and this backward. As for work pending when a
       // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
       // skip this pass), but the rest of the backward pass goes on.
-      TORCH_WARN(layer_label(layer),
-                 " was deleted before its backward pass: its deferred weight "
+      TORCH_WARN("splitgrad layer '", ctx->saved_data["layer_name"].toStringRef(),
+                 "' was deleted before its backward pass: its deferred weight "
                  "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
       for (const auto& target : {sinks.weight, sinks.bias}) {
         if (!target.defined()) continue;
@@ -152,9 +208,10 @@ at::Tensor linear_forward_only(const at::Tensor& input, const at::Tensor& weight
                                const OptTensor& bias, const OptTensor& weight_main_grad,
                                const OptTensor& bias_main_grad, int64_t layer_id,
                                bool delay_wgrad_compute) {
+  const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
   check_layer_args(layer_id, delay_wgrad_compute, input, weight, bias, weight_main_grad,
-                   bias_main_grad);
-  return ops::linear_fprop(input, weight, bias);
+                   bias_main_grad, compute_dtype);
+  return fprop(input, weight, bias, compute_dtype);
 }
 
 }  // namespace

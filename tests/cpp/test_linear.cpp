@@ -515,9 +515,9 @@ TEST_F(LinearTest, RetainedGraphBackwardTwice) {
   EXPECT_TRUE(Bitwise(fc->bias.grad(), b_ref.grad()));
 }
 
-TEST_F(LinearTest, InputGradientsOnlyPassStillQueuesTheWeightGradient) {
-  // A pipeline's B step asks autograd for the input gradient alone (autograd::grad); the delayed
-  // layer's weight gradient is queued all the same and its W step is backward_dw().
+TEST_F(LinearTest, InputGradientsOnlyPassQueuesNothing) {
+  // autograd::grad for the input alone writes no parameter's .grad in plain autograd: a delayed
+  // layer queues nothing (a pipeline's B step runs a full backward, see splitgrad.pipelining).
   Linear fc1(opts(16, 16).delay_wgrad_compute(true));
   Linear fc2(opts(16, 8).delay_wgrad_compute(true));
   torch::Tensor w1_ref = ref_param(fc1->weight), b1_ref = ref_param(fc1->bias);
@@ -528,11 +528,34 @@ TEST_F(LinearTest, InputGradientsOnlyPassStillQueuesTheWeightGradient) {
   F::linear(torch::tanh(F::linear(x_ref, w1_ref, b1_ref)), w2_ref, b2_ref).sum().backward();
   EXPECT_TRUE(Bitwise(dx, x_ref.grad()));
   EXPECT_FALSE(x.grad().defined());
-  EXPECT_EQ(splitgrad::pending_wgrads(), 2);
-  splitgrad::backward_dw_all();
-  EXPECT_TRUE(Bitwise(fc1->weight.grad(), w1_ref.grad()));
-  EXPECT_TRUE(Bitwise(fc2->weight.grad(), w2_ref.grad()));
-  EXPECT_TRUE(Bitwise(fc2->bias.grad(), b2_ref.grad()));
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  EXPECT_FALSE(fc1->weight.grad().defined());
+  // Asked for the parameters, autograd::grad gets them at once, as from plain autograd.
+  auto grads = torch::autograd::grad({fc2(torch::tanh(fc1(x))).sum()}, {fc1->weight, fc2->bias});
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  EXPECT_TRUE(Bitwise(grads[0], w1_ref.grad()));
+  EXPECT_TRUE(Bitwise(grads[1], b2_ref.grad()));
+  EXPECT_FALSE(fc1->weight.grad().defined());
+}
+
+TEST_F(LinearTest, NonLeafWeightGradientReachesItsSource) {
+  // A tied computed weight (tie_weight of a non-leaf): its gradient flows on through autograd to
+  // the tensor it was computed from, computed at once even on a delayed layer.
+  for (bool delay : {false, true}) {
+    Linear fc(opts(16, 8).delay_wgrad_compute(delay));
+    torch::Tensor source = ref_param(fc->weight);
+    torch::Tensor source_ref = ref_param(fc->weight);
+    torch::Tensor b_ref = ref_param(fc->bias);
+    fc->tie_weight(source * 2);
+    torch::Tensor x = torch::randn({5, 16});
+    fc(x).pow(2).sum().backward();
+    F::linear(x, source_ref * 2, b_ref).pow(2).sum().backward();
+    EXPECT_EQ(fc->pending_wgrads(), delay ? 1 : 0);  // the bias, a parameter, is deferred
+    if (delay) fc->backward_dw();
+    ASSERT_TRUE(source.grad().defined());
+    EXPECT_TRUE(Bitwise(source.grad(), source_ref.grad()));
+    EXPECT_TRUE(Bitwise(fc->bias.grad(), b_ref.grad()));
+  }
 }
 
 TEST_F(LinearTest, FrozenWeightTrainableBias) {

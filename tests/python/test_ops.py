@@ -145,16 +145,19 @@ def test_compile_graph_breaks_around_delayed_layer():
     assert_grads_match(model, reference, exact=True)
 
 
-def test_delayed_op_refuses_to_queue_inside_a_traced_backward():
-    """Called raw under AOTAutograd, the delayed op would queue tracing placeholders: it refuses,
-    naming the layer, and queues nothing."""
+def test_delayed_op_in_a_traced_backward_computes_at_once():
+    """Called raw under AOTAutograd, the delayed op is traced by autograd.grad over its inputs,
+    which writes no .grad: nothing is queued (no tracing placeholders), and the compiled backward
+    computes the weight gradient at once, exactly as plain autograd."""
     layer = splitgrad.Linear(8, 8, bias=False, device="cpu", delay_wgrad_compute=True)
+    weight = layer.weight.detach().clone().requires_grad_()
 
     def loss(x, w):
         return torch.ops.splitgrad.linear(x, w, None, None, None, layer._layer_id, True).sum()
 
     compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
     x = torch.randn(4, 8, requires_grad=True)
-    with pytest.raises(Exception, match="cannot queue deferred work inside a traced graph"):
-        compiled(x, layer.weight).backward()
+    compiled(x, layer.weight).backward()
     assert splitgrad.pending_wgrads() == 0
+    torch.nn.functional.linear(x, weight).sum().backward()
+    torch.testing.assert_close(layer.weight.grad, weight.grad, rtol=0, atol=0)

@@ -1,0 +1,438 @@
+"""splitgrad.Linear in ordinary PyTorch workflows (issue 18): parametrizations, autocast,
+autograd.grad, frozen weights, double backward, torch.export, hooks and garbage collection, names.
+Each case runs the same computation with plain nn.Linear autograd and compares."""
+
+import copy
+import gc
+import io
+import subprocess
+import sys
+import textwrap
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+import splitgrad
+from sg_helpers import to_reference
+
+D = 6
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def layer(delay: bool, bias: bool = True, **kwargs) -> splitgrad.Linear:
+    return splitgrad.Linear(D, D, bias=bias, device=kwargs.pop("device", "cpu"), delay_wgrad_compute=delay, **kwargs)
+
+
+def plain_twin(module: splitgrad.Linear) -> nn.Linear:
+    twin = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                     device=module.weight.device, dtype=module.weight.dtype)
+    with torch.no_grad():
+        twin.weight.copy_(module.weight)
+        if module.bias is not None:
+            twin.bias.copy_(module.bias)
+    return twin
+
+
+def exact(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# 1. Non-leaf weights --------------------------------------------------------------------------
+
+
+class Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("how", ["parametrize", "weight_norm", "functional_call"])
+def test_non_leaf_weight_gets_its_gradient_to_the_originals(delay, how):
+    """A computed weight's gradient flows on to the tensors it came from, computed at once."""
+    model = layer(delay)
+    ref = plain_twin(model)
+    x = torch.randn(3, D)
+    if how == "parametrize":
+        for m in (model, ref):
+            parametrize.register_parametrization(m, "weight", Double())
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        leaves = [(model.parametrizations.weight.original, ref.parametrizations.weight.original)]
+    elif how == "weight_norm":
+        model = nn.utils.parametrizations.weight_norm(model)
+        ref = nn.utils.parametrizations.weight_norm(ref)
+        model(x).pow(2).sum().backward()
+        ref(x).pow(2).sum().backward()
+        leaves = [(model.parametrizations.weight.original0, ref.parametrizations.weight.original0),
+                  (model.parametrizations.weight.original1, ref.parametrizations.weight.original1)]
+    else:
+        w0 = model.weight.detach().clone().requires_grad_()
+        a, b = torch.randn(D, 2, requires_grad=True), torch.randn(2, D, requires_grad=True)
+        w0r, ar, br = (t.detach().clone().requires_grad_() for t in (w0, a, b))
+        torch.func.functional_call(model, {"weight": w0 + a @ b}, (x,)).pow(2).sum().backward()
+        torch.func.functional_call(ref, {"weight": w0r + ar @ br}, (x,)).pow(2).sum().backward()
+        leaves = [(w0, w0r), (a, ar), (b, br)]
+    assert splitgrad.pending_wgrads() == (1 if delay else 0)  # the bias (a parameter) is deferred
+    if delay:
+        model.backward_dw()
+    for mine, theirs in leaves:
+        assert mine.grad is not None
+        exact(mine.grad, theirs.grad)
+    exact(model.bias.grad, ref.bias.grad)
+
+
+# 2. Autocast ----------------------------------------------------------------------------------
+
+
+def _close_in_low_precision(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=1e-2, atol=1e-2)
+
+
+def _autocast_case(device, delay, fused):
+    """As nn.Linear under autocast. On the CPU splitgrad runs ATen's GEMMs: the regular path is
+    bit-identical; delayed and fused add in fp32 without rounding the product to the low dtype
+    first. On CUDA cuBLASLt's kernels differ from torch's in rounding: close in the low dtype."""
+    dtype = torch.bfloat16 if device == "cpu" else torch.float16
+    same = exact if device == "cpu" else _close_in_low_precision
+    model = layer(delay, device=device, fuse_wgrad_accumulation=fused)
+    ref = plain_twin(model)
+    if fused:
+        model.weight.main_grad = torch.zeros_like(model.weight)
+        model.bias.main_grad = torch.zeros_like(model.bias)
+    x = torch.randn(2, 4, D, device=device, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with torch.autocast(device, dtype=dtype):
+        y = model(x)
+        yr = ref(xr)
+    assert y.dtype == yr.dtype == dtype
+    same(y, yr)
+    gy = torch.randn_like(yr)
+    y.backward(gy)
+    yr.backward(gy)
+    if delay:
+        model.backward_dw()
+    same(x.grad, xr.grad)
+    assert x.grad.dtype == torch.float32
+    grads = [model.weight.main_grad, model.bias.main_grad] if fused else [model.weight.grad, model.bias.grad]
+    for mine, theirs in zip(grads, (ref.weight.grad, ref.bias.grad)):
+        assert mine.dtype == torch.float32
+        (_close_in_low_precision if delay or fused else same)(mine, theirs)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_autocast_cpu_matches_nn_linear(delay, fused):
+    _autocast_case("cpu", delay, fused)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_autocast_takes_a_low_precision_activation(delay):
+    """A bf16 activation into an fp32 layer under autocast (refused before): as nn.Linear."""
+    model = layer(delay)
+    ref = plain_twin(model)
+    x = torch.randn(3, D, dtype=torch.bfloat16, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, yr = model(x), ref(xr)
+        exact(torch.ops.splitgrad.linear_fprop(x, model.weight, model.bias), yr)
+    exact(y, yr)
+    y.float().sum().backward()
+    yr.float().sum().backward()
+    if delay:
+        model.backward_dw()
+    exact(x.grad, xr.grad)
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad, rtol=1e-2, atol=1e-2)
+
+
+@CUDA
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_autocast_cuda_matches_nn_linear(delay, fused):
+    _autocast_case("cuda", delay, fused)
+
+
+# 3. torch.autograd.grad -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_gradient_penalty_matches_plain(delay):
+    """autograd.grad(loss, x, create_graph=True) queues nothing and its x-gradient is
+    differentiable; (loss + penalty).backward() then gives plain autograd's gradients (to float
+    rounding: a delayed layer adds the loss's part after the penalty's)."""
+    model = nn.Sequential(layer(delay), nn.Tanh(), layer(delay))
+    ref = to_reference(model)
+    for m in (model, ref):
+        x = torch.randn(4, D, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        loss = m(x).pow(2).sum()
+        (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+        if m is model:
+            assert splitgrad.pending_wgrads() == 0
+        (loss + gx.pow(2).sum()).backward()
+        if m is model and delay:
+            splitgrad.backward_dw_all()
+    for mine, theirs in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_autograd_grad_of_weight_and_bias_returns_them(delay):
+    model = layer(delay)
+    ref = plain_twin(model)
+    x = torch.randn(3, D)
+    gw, gb = torch.autograd.grad(model(x).pow(2).sum(), [model.weight, model.bias])
+    rw, rb = torch.autograd.grad(ref(x).pow(2).sum(), [ref.weight, ref.bias])
+    exact(gw, rw)
+    exact(gb, rb)
+    assert splitgrad.pending_wgrads() == 0
+    assert model.weight.grad is None and model.bias.grad is None
+
+
+def test_input_only_pass_queues_nothing():
+    """backward(inputs=[x]) writes no parameter's .grad in plain autograd: nothing is queued."""
+    model = layer(True)
+    x = torch.randn(3, D, requires_grad=True)
+    model(x).sum().backward(inputs=[x])
+    assert splitgrad.pending_wgrads() == 0
+    assert model.weight.grad is None
+
+
+# 4. Grad-ready hooks only for passes that write gradients -------------------------------------
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_grad_ready_hooks_ignore_autograd_grad(delay):
+    model = nn.Sequential(layer(delay), nn.Linear(D, D))
+    fired = []
+    for p in model.parameters():
+        splitgrad.register_grad_ready_hook(p, lambda p: fired.append(p.grad is not None))
+    x = torch.randn(3, D)
+    torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    assert fired == []
+    model(x).sum().backward()
+    splitgrad.backward_dw_all()
+    assert fired == [True] * 4
+
+
+def test_grad_reducer_step_after_autograd_grad(tmp_path):
+    """A GradReducer step preceded by autograd.grad over the same parameters is plain's."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = nn.Sequential(layer(True), nn.Tanh(), nn.Linear(D, D))
+        ref = to_reference(model)
+        reducer = splitgrad.distributed.GradReducer(model)
+        x = torch.randn(3, D)
+        torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        model(x).sum().backward()
+        model[0].backward_dw()
+        reducer.finish()
+        ref(x).sum().backward()
+        for mine, theirs in zip(model.parameters(), ref.parameters()):
+            exact(mine.grad, theirs.grad)
+    finally:
+        dist.destroy_process_group()
+
+
+# 5. requires_grad is decided at the forward ---------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_weight_frozen_at_forward_gets_no_gradient(delay):
+    model = layer(delay)
+    ref = plain_twin(model)
+    x = torch.randn(3, D)
+    outs = []
+    for m in (model, ref):
+        m.weight.requires_grad_(False)
+        outs.append(m(x).sum())
+        m.weight.requires_grad_(True)
+    for out in outs:
+        out.backward()
+    if delay:
+        model.backward_dw()
+    assert model.weight.grad is None and ref.weight.grad is None
+    exact(model.bias.grad, ref.bias.grad)
+
+
+# 6. Double backward ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_double_backward_matches_plain(delay):
+    model = nn.Sequential(layer(delay), nn.Tanh(), layer(delay))
+    ref = to_reference(model)
+    x = torch.randn(4, D)
+    results = []
+    for m in (model, ref):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m(x).pow(2).sum().backward(create_graph=True)
+        assert not [w for w in caught if "autograd kernel" in str(w.message)]
+        assert splitgrad.pending_wgrads() == 0
+        grads = [p.grad for p in m.parameters()]
+        assert all(g.requires_grad for g in grads)
+        penalty = sum(g.pow(2).sum() for g in grads)
+        second = torch.autograd.grad(penalty, list(m.parameters()))
+        results.append((grads, second))
+    (g_mine, s_mine), (g_ref, s_ref) = results
+    for a, b in zip(g_mine + list(s_mine), g_ref + list(s_ref)):
+        torch.testing.assert_close(a, b)
+
+
+def test_double_backward_with_main_grad_is_refused():
+    model = layer(True, fuse_wgrad_accumulation=True)
+    model.weight.main_grad = torch.zeros_like(model.weight)
+    model.bias.main_grad = torch.zeros_like(model.bias)
+    with pytest.raises(RuntimeError, match=r"splitgrad layer '.*': fuse_wgrad_accumulation=True cannot .*create_graph"):
+        model(torch.randn(3, D)).sum().backward(create_graph=True)
+
+
+# 7. torch.export ------------------------------------------------------------------------------
+
+
+def _export_roundtrip(device, tmp_path):
+    model = nn.Sequential(layer(True, device=device), nn.ReLU(), layer(False, device=device))
+    x = torch.randn(3, D, device=device)
+    program = torch.export.export(model, (x,))
+    assert all(node.args[5:] == (0, False) for node in program.graph.nodes
+               if node.op == "call_function" and "splitgrad.linear" in str(node.target))
+    path = tmp_path / "model.pt2"
+    torch.export.save(program, str(path))
+    torch.save({"x": x.cpu(), "y": model(x).detach().cpu()}, tmp_path / "io.pt")
+    splitgrad.backward_dw_all()  # nothing should be pending: the forward above had no backward
+    # A fresh process, with other layers registered first (their ids must not matter).
+    script = textwrap.dedent(f"""
+        import torch, splitgrad
+        others = [splitgrad.Linear(2, 2, device="cpu", delay_wgrad_compute=True) for _ in range(3)]
+        program = torch.export.load({str(path)!r})
+        io = torch.load({str(tmp_path / "io.pt")!r})
+        x = io["x"].to({device!r})
+        with torch.no_grad():
+            y = program.module()(x)
+        torch.testing.assert_close(y.cpu(), io["y"], rtol=0, atol=0)
+        y = program.module()(x.requires_grad_())
+        y.sum().backward()
+        assert splitgrad.pending_wgrads() == 0
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_export_does_not_depend_on_the_process_registry(tmp_path):
+    _export_roundtrip("cpu", tmp_path)
+
+
+@CUDA
+def test_export_does_not_depend_on_the_process_registry_cuda(tmp_path):
+    _export_roundtrip("cuda", tmp_path)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+def test_jit_trace_records_a_regular_unregistered_call():
+    model = layer(True)
+    ref = plain_twin(model)
+    x = torch.randn(3, D)
+    traced = torch.jit.trace(model, (x,))
+    calls = [n for n in traced.inlined_graph.nodes() if n.kind() == "splitgrad::linear"]
+    assert len(calls) == 1 and [i.toIValue() for i in list(calls[0].inputs())[5:]] == [0, False]
+    traced(x).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    assert splitgrad.pending_wgrads() == 0
+    exact(model.weight.grad, ref.weight.grad)
+
+
+# 8. Deleted models are freed ------------------------------------------------------------------
+
+
+def _is_freed(make) -> bool:
+    ref = make()
+    gc.collect()
+    return ref() is None
+
+
+def test_models_with_hooks_are_freed():
+    def make():
+        model = nn.Sequential(layer(True), nn.Linear(D, D))
+        for p in model.parameters():
+            splitgrad.register_grad_ready_hook(p, lambda p, model=model: model.training)
+        model[0].register_wgrad_accumulation_and_reduce_hooks(lambda: model.training)
+        model(torch.randn(2, D)).sum().backward()
+        model[0].backward_dw()
+        return weakref.ref(model)
+
+    assert all(_is_freed(make) for _ in range(3))
+
+
+def test_models_with_a_grad_reducer_are_freed(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        def make():
+            model = nn.Sequential(layer(True), nn.Linear(D, D))
+            reducer = splitgrad.distributed.GradReducer(model)
+            model(torch.randn(2, D)).sum().backward()
+            model[0].backward_dw()
+            reducer.finish()
+            model.reducer = reducer
+            return weakref.ref(model)
+
+        assert all(_is_freed(make) for _ in range(3))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hook_handles_remove_and_copies_carry_no_hooks():
+    model = layer(False)
+    fired = []
+    handle = splitgrad.register_grad_ready_hook(model.weight, lambda p: fired.append(1))
+    clone = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    model(torch.randn(2, D)).sum().backward()
+    clone(torch.randn(2, D)).sum().backward()
+    assert fired == [1]
+    assert handle.active
+    handle.remove()
+    assert not handle.active
+    model(torch.randn(2, D)).sum().backward()
+    assert fired == [1]
+
+
+# 9. Names -------------------------------------------------------------------------------------
+
+
+def test_copies_get_their_own_default_name():
+    model = layer(True)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(model), torch.load(buffer, weights_only=False)]
+    names = [model.name] + [c.name for c in copies]
+    assert len(set(names)) == 3, names
+    assert all(n == f"Linear({D}, {D})#{m._layer_id}" for n, m in zip(names, [model] + copies))
+    named = layer(True, name="fc")
+    assert copy.deepcopy(named).name == "fc"  # a chosen name is kept
+
+
+def test_layer_deleted_before_backward_is_reported_by_name():
+    model = layer(True, name="fc")
+    y = model(torch.randn(2, D)).sum()
+    del model
+    gc.collect()
+    with pytest.warns(UserWarning, match="splitgrad layer 'fc' was deleted before its backward"):
+        y.backward()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+def test_messages_name_the_layer_and_dtypes_as_torch_does():
+    model = layer(False, name="fc")
+    with pytest.raises(TypeError, match=r"^splitgrad layer 'fc': expected a torch.Tensor input"):
+        model([1.0] * D)
+    with pytest.raises(TypeError, match=r"torch\.int64"):
+        model(torch.ones(2, D, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"splitgrad layer 'fc' cannot be compiled by torch.jit.script"):
+        torch.jit.script(nn.Sequential(model))
