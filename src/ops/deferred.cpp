@@ -118,8 +118,10 @@ void notify_main_grad_accumulated(const at::Tensor& param) {
 
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks) {
+  // A .grad made here must outlive inference mode; InferenceMode(false) also turns grad mode on,
+  // so the NoGradGuard comes after it.
+  c10::InferenceMode not_inference(false);
   at::NoGradGuard no_grad;
-  c10::InferenceMode not_inference(false);  // a .grad made here must outlive inference mode
   // A .grad gets autograd's own arithmetic: the gradient is computed on its own (rounded to the
   // inputs' dtype) and then stored or added, as AccumulateGrad does, so the deferred path is
   // bit-identical to the immediate one. The exception, in place with the same rounding: a bias
