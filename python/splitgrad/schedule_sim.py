@@ -20,7 +20,10 @@ The model (:func:`simulate`):
   ``I``. Between stages on different ranks the tensor travels ``latency + bytes / bandwidth``
   (``p2p_bytes[s]``: what stage ``s`` sends forward per micro-batch; its gradient, sent back, has
   the same size); between stages on one rank (V schedules) it costs nothing. Transfers overlap
-  compute (torch posts them asynchronously) and links never congest.
+  compute (torch posts them asynchronously) and links never congest. With ``rendezvous=True`` a
+  transfer starts only once the receiver has posted its receive, at the place torch's lowering
+  (``pipeline_order_with_comms``; for GPipe and 1F1B, right before the action) puts it, as a gloo
+  send waits for the matching receive.
 - **Step.** The step time is the span from the first action's start to the last one's end, plus
   ``step_overhead`` (the step's fixed host work: splitting the batch, the final waits).
 - **Bubble.** ``1 - Σ_r busy_r / (ranks · step time)``, the definition of
@@ -82,10 +85,10 @@ def _check_count(what: str, value, least: int) -> int:
     return value
 
 
-def _torch_order(cls, ranks: int, micro_batches: int, stages_per_rank: int) -> dict[int, list]:
-    """The schedule's ``pipeline_order``, built the way torch's _schedule_visualizer does it: on a
-    stand-in stage, since the schedule classes compute every rank's order up front. (Its
-    get_schedule_ops refuses a multi-stage class with one stage per rank, which ZB1P is.)"""
+def _torch_schedule(cls, ranks: int, micro_batches: int, stages_per_rank: int):
+    """The schedule built the way torch's _schedule_visualizer does it, on a stand-in stage: the
+    schedule classes compute every rank's order up front. (Its get_schedule_ops refuses a
+    multi-stage class with one stage per rank, which ZB1P is.)"""
     stage = mock.create_autospec(_TorchPipelineStage, instance=True)
     stage.group_rank = 0
     stage.group_size = ranks
@@ -99,7 +102,7 @@ def _torch_order(cls, ranks: int, micro_batches: int, stages_per_rank: int) -> d
                             f"{stages_per_rank} stages with {micro_batches} micro-batches: {error}") from error
     if schedule.pipeline_order is None:
         raise ArgumentError(f"schedule_sim: torch's {cls.__name__} has no pipeline_order to replay")
-    return schedule.pipeline_order
+    return schedule
 
 
 def _repair_1f1b_last_rank(actions: list) -> list:
@@ -113,29 +116,56 @@ def _repair_1f1b_last_rank(actions: list) -> list:
             for a in actions]
 
 
+def _flatten(actions) -> list:
+    """Compute actions only (no None, comms, REDUCE_GRAD); an OVERLAP_F_B pair as its two actions."""
+    flat = []
+    for action in actions:
+        if action is None:
+            continue
+        subs = action.sub_actions if action.computation_type == _OVERLAP else (action,)
+        flat.extend(a for a in subs if a.computation_type in _KIND)
+    return flat
+
+
+def _plan(name: str, ranks: int, micro_batches: int):
+    """Torch's compute actions per rank, and where each receive is posted: ``(stage, "F"|"B", mb)``
+    -> the index of the rank's compute action after which torch posts that receive (-1: before
+    the first). Multi-stage schedules take it from torch's lowering with comms
+    (``pipeline_order_with_comms``); GPipe and 1F1B post each receive right before its action."""
+    cls, per_rank, _ = _schedule_entry(name)
+    _check_count("ranks", ranks, 2)
+    _check_count("micro_batches", micro_batches, 1)
+    schedule = _torch_schedule(cls, ranks, micro_batches, per_rank)
+    actions, posts = [], {}
+    for rank in range(ranks):
+        flat = _flatten(schedule.pipeline_order.get(rank, []))
+        if cls is _pipelining.Schedule1F1B:
+            flat = _repair_1f1b_last_rank(flat)
+        actions.append([(a.stage_index, _KIND[a.computation_type], a.microbatch_index) for a in flat])
+        with_comms = getattr(schedule, "pipeline_order_with_comms", None)
+        if with_comms is None:
+            for i, (stage, kind, mb) in enumerate(actions[-1]):
+                if kind != "W":
+                    posts[(stage, "F" if kind == "F" else "B", mb)] = i - 1
+            continue
+        done = 0
+        for action in with_comms.get(rank, []):
+            if action.computation_type in (_schedules.RECV_F, _schedules.RECV_B):
+                kind = "F" if action.computation_type == _schedules.RECV_F else "B"
+                posts[(action.stage_index, kind, action.microbatch_index)] = done - 1
+            else:
+                done += len(_flatten([action]))
+    _check_complete(name, actions, ranks * per_rank, micro_batches)
+    return actions, posts
+
+
 def schedule_actions(name: str, ranks: int, micro_batches: int) -> list[list[tuple[int, str, int]]]:
     """Torch's compute actions of schedule ``name`` on ``ranks`` ranks: per rank, in its order, the
     ``(stage, kind, micro-batch)`` of each action, ``kind`` one of ``"F"``, ``"I"`` (input
     gradients), ``"W"`` (weight gradients), ``"B"`` (full backward). An OVERLAP_F_B pair becomes its
     two actions in order. Checked complete: each stage runs on one rank, and each micro-batch's F
     once and either one B or one I and one W, per stage."""
-    cls, per_rank, _ = _schedule_entry(name)
-    _check_count("ranks", ranks, 2)
-    _check_count("micro_batches", micro_batches, 1)
-    order = _torch_order(cls, ranks, micro_batches, per_rank)
-    result = []
-    for rank in range(ranks):
-        flat = []
-        for action in order.get(rank, []):
-            if action is None:
-                continue
-            subs = action.sub_actions if action.computation_type == _OVERLAP else (action,)
-            flat.extend(a for a in subs if a.computation_type in _KIND)
-        if cls is _pipelining.Schedule1F1B:
-            flat = _repair_1f1b_last_rank(flat)
-        result.append([(a.stage_index, _KIND[a.computation_type], a.microbatch_index) for a in flat])
-    _check_complete(name, result, ranks * per_rank, micro_batches)
-    return result
+    return _plan(name, ranks, micro_batches)[0]
 
 
 def _check_complete(name: str, actions, num_stages: int, micro_batches: int) -> None:
@@ -180,7 +210,9 @@ class Costs:
     ``backward_input`` is the B step (input gradients), ``backward_weight`` the W step; a schedule's
     full backward costs their sum. ``p2p_bytes`` is what a stage sends forward per micro-batch (its
     activation; the gradient sent back has the same size), moved in ``latency + bytes / bandwidth``
-    seconds. ``action_overhead`` is idle host time before each action, ``step_overhead`` the fixed
+    seconds; with ``rendezvous`` a transfer starts only once the receiver has also posted its
+    receive, where torch's lowering puts it (a gloo send waits for the matching receive), without
+    it when the sender is done. ``action_overhead`` is idle host time before each action, ``step_overhead`` the fixed
     host time per step. ``activation`` and ``wgrad_stash`` are the memory units (see the module doc).
     """
 
@@ -190,6 +222,7 @@ class Costs:
     p2p_bytes: float | Sequence[float] = 0.0
     latency: float = 0.0
     bandwidth: float = math.inf
+    rendezvous: bool = False
     action_overhead: float = 0.0
     step_overhead: float = 0.0
     activation: float | Sequence[float] = 1.0
@@ -245,7 +278,7 @@ def simulate(name: str, ranks: int, micro_batches: int, costs: Costs,
     ranks with ``micro_batches`` micro-batches and the given per-stage :class:`Costs`."""
     if not isinstance(costs, Costs):
         raise ArgumentError(f"schedule_sim: expected costs to be a schedule_sim.Costs, got {type(costs).__name__}")
-    actions = schedule_actions(name, ranks, micro_batches)
+    actions, posts = _plan(name, ranks, micro_batches)
     num_stages = ranks * SCHEDULES[name][1]
     c = costs.resolved(num_stages)
     rank_of = {stage: rank for rank, acts in enumerate(actions) for stage, _, _ in acts}
@@ -261,26 +294,36 @@ def simulate(name: str, ranks: int, micro_batches: int, costs: Costs,
 
     end: dict[tuple[int, str, int], float] = {}  # (stage, "F"|"I"|"W", mb) -> end time; B sets I and W
 
-    def ready(stage: int, kind: str, mb: int) -> float | None:
+    def ready(rank: int, index: int, stage: int, kind: str, mb: int) -> float | None:
         """When the action's inputs are there, or None while a producer has not run yet."""
-        needs: list[tuple[tuple[int, str, int], float]] = []
+        needs: list[tuple[tuple[int, str, int], float, float]] = []  # producer, delay, not before
         if kind == "F" and stage > 0:
-            needs.append(((stage - 1, "F", mb), transfer(stage - 1, stage, c["p2p_bytes"][stage - 1])))
+            needs.append(((stage - 1, "F", mb), transfer(stage - 1, stage, c["p2p_bytes"][stage - 1]),
+                          posted(rank, index, (stage, "F", mb), stage - 1)))
         if kind in ("I", "B"):
-            needs.append(((stage, "F", mb), 0.0))
+            needs.append(((stage, "F", mb), 0.0, 0.0))
             if stage < num_stages - 1:
-                needs.append(((stage + 1, "I", mb), transfer(stage + 1, stage, c["p2p_bytes"][stage])))
+                needs.append(((stage + 1, "I", mb), transfer(stage + 1, stage, c["p2p_bytes"][stage]),
+                              posted(rank, index, (stage, "B", mb), stage + 1)))
         if kind == "W":
-            needs.append(((stage, "I", mb), 0.0))
+            needs.append(((stage, "I", mb), 0.0, 0.0))
         t = 0.0
-        for key, delay in needs:
+        for key, delay, not_before in needs:
             if key not in end:
                 return None
-            t = max(t, end[key] + delay)
+            t = max(t, max(end[key], not_before) + delay)
         return t
+
+    def posted(rank: int, index: int, recv: tuple[int, str, int], source: int) -> float:
+        """When the receive was posted (rendezvous transfers start no earlier); 0 otherwise."""
+        if not costs.rendezvous or rank_of[source] == rank:
+            return 0.0
+        after = min(posts.get(recv, index - 1), index - 1)
+        return finished[rank][after] if after >= 0 else 0.0
 
     position = [0] * ranks
     free = [0.0] * ranks
+    finished: list[list[float]] = [[] for _ in range(ranks)]  # end time of each rank's actions so far
     events: list[Event] = []
     remaining = sum(len(a) for a in actions)
     while remaining:
@@ -288,7 +331,7 @@ def simulate(name: str, ranks: int, micro_batches: int, costs: Costs,
         for rank in range(ranks):
             while position[rank] < len(actions[rank]):
                 stage, kind, mb = actions[rank][position[rank]]
-                t = ready(stage, kind, mb)
+                t = ready(rank, position[rank], stage, kind, mb)
                 if t is None:
                     break
                 start = max(free[rank] + c["action_overhead"], t)
@@ -299,6 +342,7 @@ def simulate(name: str, ranks: int, micro_batches: int, costs: Costs,
                     end[(stage, kind, mb)] = finish
                 events.append(Event(rank, stage, kind, mb, start, finish))
                 free[rank] = finish
+                finished[rank].append(finish)
                 position[rank] += 1
                 remaining -= 1
                 progressed = True
