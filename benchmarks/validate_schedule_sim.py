@@ -235,8 +235,8 @@ def main(argv=None) -> int:
               "median / mean: " + ", ".join(
                   f"{k} {1e3 * host['median'][k]:.2f} / {1e3 * host['mean'][k]:.2f} ms" for k in host["median"]))
         header = (f"{'schedule':>17} | {'F/B/W ms':>14} | {'step ms: meas':>13} | {'costs':>5} | {'+host':>5} | "
-                  f"{'mean':>5} | {'err':>6} | {'bubble: meas':>12} | {'costs':>5} | {'+host':>5} | {'mean':>5} | "
-                  f"{'err':>5} | order")
+                  f"{'mean':>5} | {'err':>6} | {'cores':>5} | {'bubble: meas':>12} | {'costs':>5} | {'+host':>5} | "
+                  f"{'mean':>5} | {'err':>5} | {'cores':>5} | order")
         print(header)
         print("-" * len(header))
         drawn = []
@@ -245,10 +245,12 @@ def main(argv=None) -> int:
             num_stages = world * sim.SCHEDULES[name][1]
             step_time, bubble = measured(runs, steps)
             predictions = {}
-            for label, stat, with_host in (("costs", statistics.median, False), ("host", statistics.median, True),
-                                           ("mean", statistics.mean, True)):
+            cores = os.cpu_count() if world > (os.cpu_count() or world) else None
+            variants = [("costs", statistics.median, False, None), ("host", statistics.median, True, None),
+                        ("mean", statistics.mean, True, None)] + ([("cores", statistics.median, True, cores)] if cores else [])
+            for label, stat, with_host, shared in variants:
                 c = stage_costs(runs, num_stages, steps, stat)
-                extra = dict(host[stat.__name__], rendezvous=True) if with_host else {}
+                extra = dict(host[stat.__name__], rendezvous=True, cores=shared) if with_host else {}
                 predictions[label] = sim.simulate(name, world, args.micro_batches,
                                                   sim.Costs(c["F"], c["B"], c["W"], **extra), tokens)
             best = predictions["mean"]
@@ -262,16 +264,21 @@ def main(argv=None) -> int:
             fbw = "/".join(f"{1e3 * statistics.mean(median_costs[k]):.1f}" for k in "FBW")
             print(f"{best.label:>17} | {fbw:>14} | {1e3 * step_time:>13.0f} | "
                   + " | ".join(f"{1e3 * predictions[k].step_time:>5.0f}" for k in ("costs", "host", "mean"))
-                  + f" | {step_err:>+6.1%} | {bubble:>12.1%} | "
+                  + f" | {step_err:>+6.1%} | "
+                  + (f"{1e3 * predictions['cores'].step_time:>5.0f}" if cores else f"{'-':>5}")
+                  + f" | {bubble:>12.1%} | "
                   + " | ".join(f"{100 * predictions[k].bubble:>5.1f}" for k in ("costs", "host", "mean"))
-                  + f" | {bubble_err:>+5.1f} | {'same' if same_order else 'DIFFERENT'}")
+                  + f" | {bubble_err:>+5.1f} | "
+                  + (f"{100 * predictions['cores'].bubble:>5.1f}" if cores else f"{'-':>5}")
+                  + f" | {'same' if same_order else 'DIFFERENT'}")
             drawn.append(best)
         png = os.path.join(args.out, f"schedule_sim_validation_{world}ranks.png")
         sim.plot_timeline(drawn, png)
         print(f"predicted timelines (with host costs): {png}")
     print("\nF/B/W: the stages' mean of each stage's median. Predictions: 'costs' from the median F/B/W alone; "
-          "'+host' adds the median host costs (gloo rendezvous p2p); 'mean' takes the means of both instead. "
-          "err: 'mean' against measured (bubble in points).")
+          "'+host' adds the median host costs (gloo rendezvous p2p); 'mean' takes the means of both instead; "
+          "'cores' is '+host' with the ranks sharing the machine's cores (only where there are more ranks than "
+          "cores). err: 'mean' against measured (bubble in points).")
     print(f"largest error ('mean'): step time {worst['step']:.1%}, bubble {worst['bubble']:.1f} points "
           f"(aim: 10%, 3 points)")
     return 0

@@ -23,7 +23,8 @@ The model (:func:`simulate`):
   compute (torch posts them asynchronously) and links never congest. With ``rendezvous=True`` a
   transfer starts only once the receiver has posted its receive, at the place torch's lowering
   (``pipeline_order_with_comms``; for GPipe and 1F1B, right before the action) puts it, as a gloo
-  send waits for the matching receive.
+  send waits for the matching receive. With ``cores=n`` the ranks share n processors (processes
+  on a CPU with fewer cores than ranks): an action runs whole on one, the first ready first.
 - **Step.** The step time is the span from the first action's start to the last one's end, plus
   ``step_overhead`` (the step's fixed host work: splitting the batch, the final waits).
 - **Bubble.** ``1 - Σ_r busy_r / (ranks · step time)``, the definition of
@@ -212,7 +213,9 @@ class Costs:
     activation; the gradient sent back has the same size), moved in ``latency + bytes / bandwidth``
     seconds; with ``rendezvous`` a transfer starts only once the receiver has also posted its
     receive, where torch's lowering puts it (a gloo send waits for the matching receive), without
-    it when the sender is done. ``action_overhead`` is idle host time before each action, ``step_overhead`` the fixed
+    it when the sender is done. ``cores`` (None: every rank its own device) makes the ranks share
+    that many processors: an action runs whole on one, the first ready first (ranks as processes on
+    a CPU with fewer cores). ``action_overhead`` is idle host time before each action, ``step_overhead`` the fixed
     host time per step. ``activation`` and ``wgrad_stash`` are the memory units (see the module doc).
     """
 
@@ -223,6 +226,7 @@ class Costs:
     latency: float = 0.0
     bandwidth: float = math.inf
     rendezvous: bool = False
+    cores: int | None = None
     action_overhead: float = 0.0
     step_overhead: float = 0.0
     activation: float | Sequence[float] = 1.0
@@ -239,6 +243,8 @@ class Costs:
                 or math.isnan(self.bandwidth) or self.bandwidth <= 0:
             raise ArgumentError(f"schedule_sim: expected bandwidth > 0 (bytes/s), got {self.bandwidth!r}")
         out["bandwidth"] = float(self.bandwidth)
+        if self.cores is not None:
+            _check_count("cores", self.cores, 1)
         return out
 
 
@@ -324,31 +330,36 @@ def simulate(name: str, ranks: int, micro_batches: int, costs: Costs,
     position = [0] * ranks
     free = [0.0] * ranks
     finished: list[list[float]] = [[] for _ in range(ranks)]  # end time of each rank's actions so far
+    core_free = [0.0] * (costs.cores or 0)  # when each shared processor is next free
     events: list[Event] = []
-    remaining = sum(len(a) for a in actions)
-    while remaining:
-        progressed = False
+    for _ in range(sum(len(a) for a in actions)):
+        # Time order: start the action that can start first (a later one never starts before it).
+        best = None
         for rank in range(ranks):
-            while position[rank] < len(actions[rank]):
+            if position[rank] < len(actions[rank]):
                 stage, kind, mb = actions[rank][position[rank]]
                 t = ready(rank, position[rank], stage, kind, mb)
-                if t is None:
-                    break
-                start = max(free[rank] + c["action_overhead"], t)
-                finish = start + duration(stage, kind)
-                if kind == "B":
-                    end[(stage, "I", mb)] = end[(stage, "W", mb)] = finish
-                else:
-                    end[(stage, kind, mb)] = finish
-                events.append(Event(rank, stage, kind, mb, start, finish))
-                free[rank] = finish
-                finished[rank].append(finish)
-                position[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # pragma: no cover - torch's orders are deadlock-free; guards a bad one
+                if t is not None and (best is None or max(free[rank] + c["action_overhead"], t) < best[0]):
+                    best = (max(free[rank] + c["action_overhead"], t), rank)
+        if best is None:  # pragma: no cover - torch's orders are deadlock-free; guards a bad one
             stuck = {r: actions[r][position[r]] for r in range(ranks) if position[r] < len(actions[r])}
             raise RuntimeError(f"schedule_sim: {name} deadlocks: every rank waits ({stuck})")
+        start, rank = best
+        stage, kind, mb = actions[rank][position[rank]]
+        if core_free:
+            core = min(range(len(core_free)), key=core_free.__getitem__)
+            start = max(start, core_free[core])
+        finish = start + duration(stage, kind)
+        if core_free:
+            core_free[core] = finish
+        if kind == "B":
+            end[(stage, "I", mb)] = end[(stage, "W", mb)] = finish
+        else:
+            end[(stage, kind, mb)] = finish
+        events.append(Event(rank, stage, kind, mb, start, finish))
+        free[rank] = finish
+        finished[rank].append(finish)
+        position[rank] += 1
 
     first = min(e.start for e in events)
     span = max(e.end for e in events) - first
@@ -414,7 +425,9 @@ def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m splitgrad.schedule_sim",
         description="Predicted step time, tokens/s, bubble and peak stash memory of torch's pipeline "
-                    "schedules from per-stage F/B/W costs (the same for every stage).")
+                    "schedules from the whole model's F/B/W costs per micro-batch, split evenly over the "
+                    "stages. Peak stash: micro-batches' activations of one rank's share of the model "
+                    "held at once (a W's stash counted as the whole activation), on the fullest rank.")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--schedules", default=",".join(SCHEDULES))
@@ -433,10 +446,12 @@ def _main(argv=None) -> int:
     for ranks in args.ranks:
         for m in args.micro_batches:
             for name in args.schedules.split(","):
-                stages = ranks * _schedule_entry(name)[1]
+                per_rank = _schedule_entry(name)[1]
+                stages = ranks * per_rank
+                # memory unit: one micro-batch's activations of a rank's share of the model
                 costs = Costs(args.forward / 1e3 / stages, args.backward_input / 1e3 / stages,
                               args.backward_weight / 1e3 / stages, args.p2p_bytes, args.latency_us / 1e6,
-                              args.bandwidth_gbs * 1e9)
+                              args.bandwidth_gbs * 1e9, activation=1.0 / per_rank)
                 try:
                     r = simulate(name, ranks, m, costs, args.tokens)
                 except ArgumentError as error:

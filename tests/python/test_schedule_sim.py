@@ -256,3 +256,19 @@ def test_cli(capsys, tmp_path):
 def test_bad_input(call, match):
     with pytest.raises(ArgumentError, match=match):
         call()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_shared_cores(name):
+    # One processor for all ranks: the actions run one at a time, so the step is all the work and
+    # the bubble 1 - 1/ranks; with a processor per rank nothing changes.
+    alone = sim.simulate(name, 4, 8, unit(cores=1))
+    assert alone.step_time == pytest.approx(sum(alone.busy))
+    assert alone.bubble == pytest.approx(0.75)
+    ordered = sorted(alone.events, key=lambda e: e.start)
+    assert all(z.start >= a.end - 1e-9 for a, z in zip(ordered, ordered[1:]))
+    assert spans(sim.simulate(name, 4, 8, unit(cores=4))) == spans(sim.simulate(name, 4, 8, unit()))
+    two = sim.simulate(name, 4, 8, unit(cores=2))
+    assert two.bubble >= 0.5 - 1e-9  # at most two of four ranks busy at any time
+    with pytest.raises(ArgumentError, match="cores to be an integer >= 1, got 0"):
+        sim.simulate(name, 4, 8, unit(cores=0))
