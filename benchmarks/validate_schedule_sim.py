@@ -247,7 +247,9 @@ def main(argv=None) -> int:
             predictions = {}
             cores = os.cpu_count() if world > (os.cpu_count() or world) else None
             variants = [("costs", statistics.median, False, None), ("host", statistics.median, True, None),
-                        ("mean", statistics.mean, True, None)] + ([("cores", statistics.median, True, cores)] if cores else [])
+                        ("mean", statistics.mean, True, None)]
+            if cores:
+                variants.append(("cores", statistics.median, True, cores))
             for label, stat, with_host, shared in variants:
                 c = stage_costs(runs, num_stages, steps, stat)
                 extra = dict(host[stat.__name__], rendezvous=True, cores=shared) if with_host else {}

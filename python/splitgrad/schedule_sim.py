@@ -410,7 +410,7 @@ def plot_timeline(results: Result | Sequence[Result], path: str, unit: str = "ms
         ax.set_yticks(range(result.ranks), [f"rank {r}" for r in range(result.ranks)])
         ax.invert_yaxis()
         ax.set_title(f"{result.label}, {result.ranks} ranks, {result.micro_batches} micro-batches: "
-                     f"step {scale * result.step_time:.3g} {unit}, bubble {result.bubble:.1%}, "
+                     f"step {scale * result.step_time:.4g} {unit}, bubble {result.bubble:.1%}, "
                      f"peak stash {max(result.peak_memory):.3g}", fontsize=8)
         ax.set_xlabel(unit if unit != "1" else "time")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _COLOURS.values()]
