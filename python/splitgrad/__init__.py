@@ -21,11 +21,12 @@ from . import distributed  # splitgrad.distributed.GradReducer
 
 
 def __getattr__(name):
-    # splitgrad.pipelining imports torch.distributed.pipelining, which is heavy: load it on first use.
-    if name == "pipelining":
+    # splitgrad.pipelining and splitgrad.schedule_sim import torch.distributed.pipelining, which is
+    # heavy: load them on first use.
+    if name in ("pipelining", "schedule_sim"):
         import importlib
 
-        return importlib.import_module(".pipelining", __name__)
+        return importlib.import_module("." + name, __name__)
     raise AttributeError(f"module 'splitgrad' has no attribute {name!r}")
 
 
@@ -42,6 +43,7 @@ __all__ = [
     "name_layers",
     "distributed",
     "pipelining",
+    "schedule_sim",
     "ArgumentError",
     "DTypeError",
     "MainGradError",
