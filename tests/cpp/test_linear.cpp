@@ -632,17 +632,16 @@ TEST_F(LinearTest, FusedMainGradMissingOrWrong) {
   EXPECT_CONTAINS(msg, "main_grad");
   EXPECT_CONTAINS(msg, "set_main_grad");
 
-  splitgrad::set_main_grad(fc->weight, torch::zeros({16, 8}));
+  // set_main_grad refuses a wrong buffer (ApiTest.SetMainGradChecksItsArguments); one that
+  // changes after it was set is caught by the forward.
+  torch::Tensor buffer = torch::zeros({8, 16});
+  splitgrad::set_main_grad(fc->weight, buffer);
   splitgrad::set_main_grad(fc->bias, torch::zeros({8}));
+  buffer.resize_({16, 8});
   msg = error_message([&] { fc(x); });
   EXPECT_CONTAINS(msg, "fused_fc");
   EXPECT_CONTAINS(msg, "[8, 16]");
   EXPECT_CONTAINS(msg, "[16, 8]");
-
-  splitgrad::set_main_grad(fc->weight, torch::zeros({8, 16}, torch::kDouble));
-  msg = error_message([&] { fc(x); });
-  EXPECT_CONTAINS(msg, "torch.float32");
-  EXPECT_CONTAINS(msg, "torch.float64");
 
   splitgrad::set_main_grad(fc->weight, torch::zeros({8, 16}));
   EXPECT_NO_THROW(fc(x).sum().backward());
