@@ -13,6 +13,9 @@
 //   at::addmm_         PyTorch's in-place alternative, for scale
 //   backward_dw        the whole deferred step (store, version checks, op, grad-ready ledger)
 //
+// Then the W steps of 1, 32 and 128 layers captured once in a CUDA graph and replayed: host time
+// per layer per replay, next to the eager backward_dw() of the same layers.
+//
 //   build/<dir>/bench_host_overhead [cuda|cpu]
 #include <torch/torch.h>
 
@@ -27,6 +30,8 @@
 #include "splitgrad/splitgrad.h"
 #ifdef SPLITGRAD_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/cublaslt_gemm.h"
 #endif
@@ -176,6 +181,65 @@ int main(int argc, char** argv) {
   std::printf("%-40s | %8.2f\n", "op (ops::linear_wgrad_accumulate_)", op);
   std::printf("%-40s | %8.2f\n", "at::addmm_ (PyTorch, for scale)", addmm);
   std::printf("%-40s | %8.2f\n", "backward_dw() (store, checks, op, ledger)", step);
+
+  // Graphed W steps: the backward_dw() of every layer captured once in a CUDA graph and replayed.
+  // Each layer reads an input and a grad-output the benchmark holds, so the stash the graph reads
+  // stays alive; one replay does every layer's W step.
+  std::printf(
+      "\nW steps replayed from a CUDA graph (host us per layer per W step; eager beside it)\n");
+  std::printf("%6s | %14s | %14s | %s\n", "layers", "eager us", "graphed us", "graph checked");
+  for (int layers : {1, 32, 128}) {
+    std::vector<splitgrad::Linear> stack;
+    std::vector<torch::Tensor> inputs, grads, outputs;
+    for (int i = 0; i < layers; ++i) {
+      stack.emplace_back(splitgrad::LinearOptions(16, 16)
+                             .bias(false)
+                             .device(device)
+                             .delay_wgrad_compute(true)
+                             .fuse_wgrad_accumulation(true));
+      splitgrad::set_main_grad(stack.back()->weight, torch::zeros({16, 16}, f32));
+      inputs.push_back(torch::randn({4, 16}, f32));
+      grads.push_back(torch::randn({4, 16}, f32));
+    }
+    auto queue = [&] {
+      outputs.clear();
+      for (int i = 0; i < layers; ++i) outputs.push_back(stack[i]->forward(inputs[i]));
+      torch::autograd::backward(outputs, grads);
+    };
+    auto run_w = [&] {
+      for (auto it = stack.rbegin(); it != stack.rend(); ++it) (*it)->backward_dw();
+    };
+    queue();
+    run_w();  // warm-up: plans, allocator
+    const int64_t reps = std::max<int64_t>(8, 4096 / layers);
+    const double eager = host_us_per_call(
+                             true, reps,
+                             [&](int64_t n) {
+                               for (int64_t i = 0; i < n; ++i) queue();
+                             },
+                             [&](int64_t) { run_w(); }) /
+                         layers;
+    at::cuda::CUDAGraph graph;
+    {
+      const at::cuda::CUDAStreamGuard capture_stream(at::cuda::getStreamFromPool());
+      queue();
+      torch::cuda::synchronize();
+      graph.capture_begin();
+      run_w();
+      graph.capture_end();
+    }
+    torch::cuda::synchronize();
+    const torch::Tensor before = splitgrad::main_grad(stack[0]->weight).clone();
+    graph.replay();
+    torch::cuda::synchronize();
+    const torch::Tensor added = splitgrad::main_grad(stack[0]->weight) - before;
+    const bool checked = torch::allclose(added, grads[0].t().mm(inputs[0]), 1e-4, 1e-4);
+    const double graphed =
+        host_us_per_call(true, reps, nothing, [&](int64_t) { graph.replay(); }) / layers;
+    std::printf("%6d | %14.2f | %14.2f | %s\n", layers, eager, graphed,
+                checked ? "replay adds dy^T x" : "MISMATCH");
+    if (!checked) return 1;
+  }
 #endif
   return 0;
 }

@@ -5,6 +5,7 @@
 // running them is the ops layer's job (src/ops/deferred.cpp).
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <deque>
@@ -36,6 +37,9 @@ struct DeferredWgrad {
   at::Tensor
       weight_main_grad;       ///< fp32 accumulation buffer (fuse_wgrad_accumulation), or undefined
   at::Tensor bias_main_grad;  ///< likewise for the bias
+  /// The stream current when the item was queued (the backward's): the stashed tensors were made
+  /// on it. Work run on another stream must keep them from the allocator until it has read them.
+  c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
 
   /// The parameters this item contributes to (weight if it trains, then bias if any).
   std::vector<at::Tensor> targets() const;

@@ -7,6 +7,9 @@
 #include <mutex>
 #include <tuple>
 #include <unordered_map>
+#include <vector>
+
+#include "cuda/tuning_kernels.h"
 
 namespace splitgrad::cuda {
 namespace {
@@ -24,14 +27,15 @@ struct PlanKey {
   int64_t m, n, k, lda, ldb, ldd;
   int a_type, b_type, d_type, bias_type, compute;
   bool a_transposed, b_transposed;
-  int accumulate, epilogue;
+  int epilogue;  // not `accumulate`: beta is a launch argument, and write and add must share
+                 // one algorithm so that they do the same arithmetic
   uint32_t align_a, align_b, align_d;
   size_t workspace_bytes;
   int device;
 
   auto tie() const {
     return std::tie(m, n, k, lda, ldb, ldd, a_type, b_type, d_type, bias_type, compute,
-                    a_transposed, b_transposed, accumulate, epilogue, align_a, align_b, align_d,
+                    a_transposed, b_transposed, epilogue, align_a, align_b, align_d,
                     workspace_bytes, device);
   }
   bool operator==(const PlanKey& other) const { return tie() == other.tie(); }
@@ -47,19 +51,21 @@ struct PlanKeyHash {
     };
     mix(key.m), mix(key.n), mix(key.k), mix(key.lda), mix(key.ldb), mix(key.ldd);
     mix(key.a_type), mix(key.b_type), mix(key.d_type), mix(key.bias_type), mix(key.compute);
-    mix(key.a_transposed), mix(key.b_transposed), mix(key.accumulate), mix(key.epilogue);
+    mix(key.a_transposed), mix(key.b_transposed), mix(key.epilogue);
     mix(key.align_a), mix(key.align_b), mix(key.align_d), mix(key.workspace_bytes);
     mix(key.device);
     return h;
   }
 };
 
-// Cached descriptors and the algorithm the heuristic chose for one PlanKey.
+// Cached descriptors, the heuristic's candidates and the algorithm chosen for one PlanKey.
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
   bool found = false;
+  bool tuning_pending = false;  // the choice among `candidates` is still to be timed
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates;
   GemmStatus status;
 
   Plan() = default;
@@ -95,7 +101,6 @@ PlanKey key_of(const GemmArgs& args) {
                  static_cast<int>(args.compute),
                  args.a.transposed,
                  args.b.transposed,
-                 static_cast<int>(args.accumulate),
                  static_cast<int>(args.epilogue),
                  alignment_of(args.a.data),
                  alignment_of(args.b.data),
@@ -104,9 +109,11 @@ PlanKey key_of(const GemmArgs& args) {
                  device};
 }
 
-// Autotuning: the heuristic's first algorithm is not always the fastest (small and skinny
-// shapes especially), so a new plan times up to kCandidates of them once, on the caller's operands
-// and a scratch output, and keeps the fastest. SPLITGRAD_CUBLASLT_AUTOTUNE=0 keeps the first.
+// Autotuning. The heuristic's first algorithm is not always the fastest (small and skinny shapes
+// especially), so a new plan times up to kCandidates of them once and keeps the fastest — but
+// only among candidates whose output equals the first one's bit for bit. The choice is then a
+// matter of speed alone: every run, process and path (write or add) does the heuristic's
+// arithmetic, whichever candidate won the timing. SPLITGRAD_CUBLASLT_AUTOTUNE=0 keeps the first.
 constexpr int kCandidates = 8;
 constexpr int kTimedRuns = 5;
 
@@ -129,43 +136,103 @@ size_t element_bytes(cudaDataType_t type) {
   }
 }
 
-// Index of the fastest of `results` on this GEMM, or -1 if none could be timed (a stream being
-// captured into a CUDA graph cannot be synchronised: the heuristic's choice stands then).
-int fastest(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args,
-            const cublasLtMatmulHeuristicResult_t* results, int count, cudaStream_t stream) {
-  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capturing) != cudaSuccess ||
-      capturing != cudaStreamCaptureStatusNone) {
-    return -1;
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  return cudaStreamIsCapturing(stream, &status) != cudaSuccess ||
+         status != cudaStreamCaptureStatusNone;
+}
+
+// Device buffers of the tuner, freed in stream order.
+class Scratch {
+ public:
+  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
+  ~Scratch() {
+    for (void* p : buffers_) cudaFreeAsync(p, stream_);
   }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  void* get(size_t bytes) {
+    void* p = nullptr;
+    if (cudaMallocAsync(&p, std::max<size_t>(bytes, 4), stream_) != cudaSuccess) {
+      cudaGetLastError();
+      return nullptr;
+    }
+    buffers_.push_back(p);
+    return p;
+  }
+
+ private:
+  cudaStream_t stream_;
+  std::vector<void*> buffers_;
+};
+
+// Stored elements of an operand: ld x (columns as stored).
+size_t operand_bytes(const Operand& op, int64_t stored_cols) {
+  return static_cast<size_t>(op.ld) * static_cast<size_t>(stored_cols) * element_bytes(op.type);
+}
+
+// The candidate the plan should use: the fastest of those that compute what the first launchable
+// one computes, bit for bit. Operands are the tuner's own (fixed pseudo-random values, so no
+// special values in the caller's data can make two candidates look alike), or the caller's if
+// there is no memory for them. Returns -1 when nothing could be timed (the first stands).
+int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cudaStream_t stream) {
   if (args.epilogue != Epilogue::kNone &&
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias,
                                      sizeof(args.bias)) != CUBLAS_STATUS_SUCCESS) {
     return -1;
   }
+  Scratch scratch(stream);
   const size_t d_bytes = static_cast<size_t>(args.ldd) * args.n * element_bytes(args.d_type);
-  void* scratch = nullptr;
-  if (cudaMallocAsync(&scratch, std::max<size_t>(d_bytes, 1), stream) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
+  void* reference = scratch.get(d_bytes);
+  void* output = scratch.get(d_bytes);
+  auto* differing = static_cast<unsigned int*>(scratch.get(sizeof(unsigned int)));
+  if (reference == nullptr || output == nullptr || differing == nullptr) return -1;
+  const void* a = args.a.data;
+  const void* b = args.b.data;
+  const size_t a_bytes = operand_bytes(args.a, args.a.transposed ? args.m : args.k);
+  const size_t b_bytes = operand_bytes(args.b, args.b.transposed ? args.k : args.n);
+  void* own_a = scratch.get(a_bytes);
+  void* own_b = own_a != nullptr ? scratch.get(b_bytes) : nullptr;
+  if (own_b != nullptr &&
+      fill_pseudo_random(own_a, args.a.type, a_bytes / element_bytes(args.a.type), 1, stream) ==
+          cudaSuccess &&
+      fill_pseudo_random(own_b, args.b.type, b_bytes / element_bytes(args.b.type), 2, stream) ==
+          cudaSuccess) {
+    a = own_a, b = own_b;
   }
   cudaEvent_t start = nullptr, stop = nullptr;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  const float alpha = 1.0f;
-  const float beta = args.accumulate == Accumulate::kAdd ? 1.0f : 0.0f;
-  int best = -1;
+  const float alpha = 1.0f, beta = 0.0f;
+  int first = -1, best = -1;
   float best_ms = 0.0f;
-  for (int i = 0; i < count; ++i) {
-    if (results[i].state != CUBLAS_STATUS_SUCCESS ||
-        results[i].workspaceSize > args.workspace_bytes)
+  for (int i = 0; i < static_cast<int>(plan.candidates.size()); ++i) {
+    const auto& candidate = plan.candidates[i];
+    if (candidate.state != CUBLAS_STATUS_SUCCESS || candidate.workspaceSize > args.workspace_bytes)
       continue;
+    void* d = first < 0 ? reference : output;
     auto launch = [&] {
-      return cublasLtMatmul(handle, plan.desc, &alpha, args.a.data, plan.a, args.b.data, plan.b,
-                            &beta, scratch, plan.d, scratch, plan.d, &results[i].algo,
-                            args.workspace, args.workspace_bytes, stream);
+      return cublasLtMatmul(handle, plan.desc, &alpha, a, plan.a, b, plan.b, &beta, d, plan.d, d,
+                            plan.d, &candidate.algo, args.workspace, args.workspace_bytes, stream);
     };
-    if (launch() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up, and a check that it runs
+    // Padding between D's columns (ldd > m) is never written: zero it in both outputs.
+    if (cudaMemsetAsync(d, 0, d_bytes, stream) != cudaSuccess ||
+        launch() != CUBLAS_STATUS_SUCCESS) {
+      cudaGetLastError();
+      continue;
+    }
+    unsigned int differs = 0;
+    if (first >= 0) {
+      if (cudaMemsetAsync(differing, 0, sizeof(unsigned int), stream) != cudaSuccess ||
+          count_differing_words(reference, output, d_bytes, differing, stream) != cudaSuccess ||
+          cudaMemcpyAsync(&differs, differing, sizeof(differs), cudaMemcpyDeviceToHost, stream) !=
+              cudaSuccess ||
+          cudaStreamSynchronize(stream) != cudaSuccess) {
+        cudaGetLastError();
+        continue;
+      }
+      if (differs != 0) continue;  // other arithmetic (a split-K, another reduction order)
+    }
     cudaEventRecord(start, stream);
     bool ok = true;
     for (int run = 0; run < kTimedRuns && ok; ++run) ok = launch() == CUBLAS_STATUS_SUCCESS;
@@ -174,14 +241,28 @@ int fastest(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args,
     if (!ok || cudaEventSynchronize(stop) != cudaSuccess ||
         cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
       cudaGetLastError();
+      if (first < 0) break;  // no reference to compare with: keep the heuristic's first
       continue;
     }
+    if (first < 0) first = i;
     if (best < 0 || ms < best_ms) best = i, best_ms = ms;
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  cudaFreeAsync(scratch, stream);
   return best;
+}
+
+// Times the plan's candidates if that is still to do and can be done now (not while the stream
+// is being captured into a CUDA graph: it cannot be synchronised; a later call tunes).
+void tune_if_pending(cublasLtHandle_t handle, Plan& plan, const GemmArgs& args,
+                     cudaStream_t stream) {
+  if (!plan.tuning_pending || capturing(stream)) return;
+  plan.tuning_pending = false;
+  if (const int best = choose(handle, plan, args, stream); best >= 0) {
+    plan.algo = plan.candidates[best].algo;
+  }
+  plan.candidates.clear();
+  plan.candidates.shrink_to_fit();
 }
 
 #define SPLITGRAD_CUBLAS_TRY(call, what)               \
@@ -193,8 +274,7 @@ int fastest(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args,
     }                                                  \
   } while (0)
 
-std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, const PlanKey& key,
-                                cudaStream_t stream) {
+std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, const PlanKey& key) {
   auto plan = std::make_unique<Plan>();
   const cudaDataType_t scale_type = CUDA_R_32F;
   SPLITGRAD_CUBLAS_TRY(cublasLtMatmulDescCreate(&plan->desc, args.compute, scale_type),
@@ -261,21 +341,20 @@ std::unique_ptr<Plan> make_plan(cublasLtHandle_t handle, const GemmArgs& args, c
   }
   plan->algo = results[0].algo;
   plan->found = true;
-  if (count > 1 && autotune_enabled()) {
-    if (const int best = fastest(handle, *plan, args, results, count, stream); best >= 0) {
-      plan->algo = results[best].algo;
-    }
+  if (count > 1 && args.autotune && autotune_enabled()) {
+    plan->candidates.assign(results, results + count);
+    plan->tuning_pending = true;
   }
   return plan;
 }
 
 #undef SPLITGRAD_CUBLAS_TRY
 
-Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream) {
+Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args) {
   const PlanKey key = key_of(args);
   auto& plans = cache();
   auto it = plans.find(key);
-  if (it == plans.end()) it = plans.emplace(key, make_plan(handle, args, key, stream)).first;
+  if (it == plans.end()) it = plans.emplace(key, make_plan(handle, args, key)).first;
   return *it->second;
 }
 
@@ -284,8 +363,9 @@ Plan& plan_for(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t strea
 GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(
       cache_mutex);  // the cached descriptor's bias pointer is per call
-  Plan& plan = plan_for(handle, args, stream);
+  Plan& plan = plan_for(handle, args);
   if (!plan.found) return plan.status;
+  tune_if_pending(handle, plan, args, stream);
   if (args.epilogue != Epilogue::kNone) {
     const cublasStatus_t status = cublasLtMatmulDescSetAttribute(
         plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias, sizeof(args.bias));

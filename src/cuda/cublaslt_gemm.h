@@ -48,6 +48,9 @@ struct GemmArgs {
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  ///< CUBLAS_COMPUTE_32F_FAST_TF32 allows TF32
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  /// Whether a new plan may time the heuristic's candidates (false keeps its first choice: for
+  /// torch.use_deterministic_algorithms). Either way the numerics are the first choice's.
+  bool autotune = true;
 };
 
 /// Status of a GEMM call; `message` is a static description when ok is false.
@@ -58,10 +61,13 @@ struct GemmStatus {
 };
 
 /// Runs one GEMM on `stream`. Descriptors and the algorithm are cached per shape, dtypes, layouts,
-/// epilogue and operand alignment, so a repeated call costs one launch. The first call for a new
-/// combination times up to 8 of the heuristic's algorithms on the caller's operands and a scratch
-/// output (it waits for `stream` once) and keeps the fastest; set SPLITGRAD_CUBLASLT_AUTOTUNE=0 to
-/// keep the heuristic's first choice without timing.
+/// epilogue and operand alignment — not per `accumulate`: writing and adding share one algorithm,
+/// so both do the same arithmetic — and a repeated call costs one launch.
+/// Reproducible numerics: the algorithm always computes what the heuristic's first choice
+/// computes, bit for bit. The first call for a new combination (outside CUDA-graph capture) times
+/// up to 8 of the heuristic's candidates on scratch operands of fixed pseudo-random values and
+/// keeps the fastest of those whose output equals the first choice's bit for bit (it waits for
+/// `stream` once); SPLITGRAD_CUBLASLT_AUTOTUNE=0 or `args.autotune = false` keeps the first.
 /// Returns !ok (and launches nothing) when cuBLASLt has no algorithm for the combination.
 GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream);
 

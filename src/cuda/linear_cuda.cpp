@@ -86,6 +86,7 @@ int64_t row_major_ld(const at::Tensor& t) { return std::max<int64_t>({t.stride(0
 void run(GemmArgs& args, const char* what, const at::Tensor& a, const at::Tensor& b) {
   args.workspace = at::cuda::getCUDABlasLtWorkspace();
   args.workspace_bytes = at::cuda::getCUDABlasLtWorkspaceSize();
+  args.autotune = !at::globalContext().deterministicAlgorithms();
   const cuda::GemmStatus status =
       cuda::gemm(at::cuda::getCurrentCUDABlasLtHandle(), args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status.ok, "splitgrad cuBLASLt ", what, " failed (", status.message,

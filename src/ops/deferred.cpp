@@ -2,6 +2,7 @@
 #include "splitgrad/deferred.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/engine.h>
@@ -116,6 +117,12 @@ std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 }  // namespace
+
+c10::Stream current_stream_of(const at::Tensor& t) {
+  const c10::Device device = t.device();
+  if (device.is_cpu()) return c10::Stream(c10::Stream::DEFAULT, device);
+  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
+}
 
 void notify_main_grad_accumulated(const at::Tensor& param) {
   std::function<void(const at::Tensor&)> callback;
@@ -242,6 +249,20 @@ struct BatchScope {
   ~BatchScope() { InFlight::instance().finish(id); }
 };
 
+// An item run on a stream other than the one that queued it: its kernels were only enqueued, so
+// the stashed tensors, about to be released, must not go back to the allocator (and to the
+// queuing stream's next allocation) before that stream has read them — as record_stream does
+// for any tensor used on a side stream. On the queuing stream, stream order already protects
+// them.
+void keep_until_read(const DeferredWgrad& item) {
+  if (item.stream.device().is_cpu()) return;
+  const c10::Stream now = detail::current_stream_of(item.input);
+  if (now == item.stream) return;
+  for (const at::Tensor* t : {&item.input, &item.grad_output}) {
+    if (t->defined() && t->device() == now.device()) t->record_stream(now);
+  }
+}
+
 void drop(const DeferredWgrad& item) {
   for (const auto& target : item.targets())
     GradLedger::instance().deferred_dropped(target, item.pass);
@@ -275,11 +296,13 @@ void run(std::vector<DeferredWgrad> items) {
           item.grad_output, item.input,
           {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
     } catch (...) {
+      keep_until_read(item);  // some of its kernels may have been enqueued
       drop(item);
       store.restore(std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
                                                std::make_move_iterator(runnable.end())));
       throw;
     }
+    keep_until_read(item);
     const core::PassId pass = item.pass;
     const std::vector<at::Tensor> targets = item.targets();
     item = DeferredWgrad{};  // free the stashed activations before the hooks run

@@ -41,6 +41,9 @@ struct WgradSinks {
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks);
 
+/// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
+c10::Stream current_stream_of(const at::Tensor& t);
+
 /// Tells the callback set by set_main_grad_accumulated_callback(), if any.
 void notify_main_grad_accumulated(const at::Tensor& param);
 

@@ -133,6 +133,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     item.bias = sinks.bias;
     item.weight_main_grad = sinks.weight_main_grad;
     item.bias_main_grad = sinks.bias_main_grad;
+    item.stream = current_stream_of(input);
     for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
     core::WgradStore::instance().push(std::move(item));
     return grads;
