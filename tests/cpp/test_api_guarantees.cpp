@@ -71,12 +71,14 @@ struct ExitSentinel {
 
 void exit_with_pending_work() {
   static Linear global_layer(opts(4, 4).delay_wgrad_compute(true).name("global"));
-  Linear held(opts(4, 4).delay_wgrad_compute(true).name("held_by_hook"));
-  auto sentinel = std::make_shared<ExitSentinel>();
-  splitgrad::register_grad_ready_hook(held->weight,
-                                      [held, sentinel](const at::Tensor&) { (void)held; });
-  torch::Tensor x = torch::randn({2, 4});
-  held(global_layer(x)).sum().backward();
+  {  // std::exit destroys no local: only the hook may own `held` and the sentinel by then
+    Linear held(opts(4, 4).delay_wgrad_compute(true).name("held_by_hook"));
+    auto sentinel = std::make_shared<ExitSentinel>();
+    splitgrad::register_grad_ready_hook(held->weight,
+                                        [held, sentinel](const at::Tensor&) { (void)held; });
+    torch::Tensor x = torch::randn({2, 4});
+    held(global_layer(x)).sum().backward();
+  }
   if (splitgrad::pending_wgrads() != 2) std::_Exit(4);
   std::exit(0);
 }
