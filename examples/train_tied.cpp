@@ -50,8 +50,8 @@ struct SplitgradModel {
   torch::Tensor forward(const torch::Tensor& x) {
     return head(torch::tanh(mid(torch::tanh(enc(x)))));
   }
-  // Each parameter once (W is both enc's and mid's): an optimizer given W twice would step it twice.
-  // For a torch::nn::Module, splitgrad::unique_parameters(module) builds this list.
+  // Each parameter once (W is both enc's and mid's): an optimizer given W twice would step it
+  // twice. For a torch::nn::Module, splitgrad::unique_parameters(module) builds this list.
   std::vector<torch::Tensor> parameters() const {
     return {enc->weight, enc->bias, mid->bias, head->weight, head->bias};
   }
