@@ -83,6 +83,8 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
       const std::optional<at::Device>& device = std::nullopt) const override;
   /// torch::save: runs the pending-work guard (check_pending_wgrads) first.
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// Runs the pending-work guard first (also when called on a module that holds this layer).
+  void zero_grad(bool set_to_none = true) override;
 
   LinearOptions options;
   torch::Tensor weight;

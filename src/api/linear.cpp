@@ -146,6 +146,12 @@ void LinearImpl::save(torch::serialize::OutputArchive& archive) const {
   torch::nn::Cloneable<LinearImpl>::save(archive);
 }
 
+void LinearImpl::zero_grad(bool set_to_none) {
+  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
+                       {weight, bias});
+  torch::nn::Cloneable<LinearImpl>::zero_grad(set_to_none);
+}
+
 std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
   std::vector<torch::Tensor> out;
   for (const auto& param : module.parameters()) {

@@ -267,6 +267,12 @@ TEST_F(ApiTest, GuardedOptimizerAndSaveReportPendingWorkNamingTheLayers) {
   EXPECT_CONTAINS(handler.messages[1], "saving");
   EXPECT_CONTAINS(handler.messages[1], "'guarded_fc'");
 
+  torch::nn::Sequential model(fc);  // Module::zero_grad reaches the layer's
+  model->zero_grad();
+  ASSERT_EQ(handler.messages.size(), 3u);
+  EXPECT_CONTAINS(handler.messages[2], "zero_grad()");
+  EXPECT_CONTAINS(handler.messages[2], "'guarded_fc'");
+
   splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
   const torch::Tensor before = fc->weight.detach().clone();
   std::string msg = error_message([&] { opt.step(); });
