@@ -50,7 +50,8 @@ struct SplitgradModel {
   torch::Tensor forward(const torch::Tensor& x) {
     return head(torch::tanh(mid(torch::tanh(enc(x)))));
   }
-  // Each parameter once (W is both enc's and mid's).
+  // Each parameter once (W is both enc's and mid's): an optimizer given W twice would step it
+  // twice. For a torch::nn::Module, splitgrad::unique_parameters(module) builds this list.
   std::vector<torch::Tensor> parameters() const {
     return {enc->weight, enc->bias, mid->bias, head->weight, head->bias};
   }
@@ -96,7 +97,9 @@ int main() {
   torch::manual_seed(0);
   SplitgradModel model;
   ReferenceModel reference(model);
-  torch::optim::SGD optimizer(model.parameters(), kLearningRate);
+  // Guarded: step() and zero_grad() throw if deferred work feeding W is still queued.
+  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
+  splitgrad::GuardedOptimizer<torch::optim::SGD> optimizer(model.parameters(), kLearningRate);
   torch::optim::SGD reference_optimizer(reference.parameters(), kLearningRate);
 
   int grad_ready_calls = 0;

@@ -48,8 +48,15 @@ class LayerHandle {
   bool released_ = false;
 };
 
-/// Runs every pending deferred wgrad in the process, oldest first.
+/// Runs every pending deferred wgrad in the process, oldest first, and returns once all of it has
+/// landed: work that another thread's backward_dw()/backward_dw_all() had already taken when this
+/// call began is waited for, not skipped. "All" is process-wide: from several threads that each
+/// train their own model, use the overload below with the model's parameters, so that each thread
+/// runs (and its hooks see) only its own model's work. Two calls never write one gradient at once.
 void backward_dw_all();
+/// Runs the pending deferred wgrad that feeds any of `params` (one model's work, for instance),
+/// oldest first, waiting as above for such work already taken by another thread.
+void backward_dw_all(const std::vector<at::Tensor>& params);
 
 /// How many deferred wgrad items are waiting (all layers).
 int64_t pending_wgrads();
@@ -66,6 +73,18 @@ int64_t dropped_wgrads_for(const at::Tensor& param);
 /// Names of the layers with pending work; with `params` non-empty, only the layers whose pending
 /// work feeds one of them.
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params = {});
+
+/// What check_pending_wgrads() does when deferred work is pending.
+enum class PendingWorkPolicy { kWarn, kError };
+/// Process-wide; the default is kWarn. (The Python package has its own, set_pending_work_policy.)
+void set_pending_work_policy(PendingWorkPolicy policy);
+PendingWorkPolicy pending_work_policy();
+/// The pending-work guard: if deferred work feeding `params` (any, when empty) is still queued,
+/// warns (TORCH_WARN) or throws c10::Error, per the policy, naming the layers. `action` names what
+/// was about to happen ("optimizer step"). Call it before anything that reads or clears gradients
+/// (an optimizer step, zero_grad, a checkpoint); splitgrad::GuardedOptimizer and
+/// splitgrad::Linear's save() call it for you.
+void check_pending_wgrads(const std::string& action, const std::vector<at::Tensor>& params = {});
 
 /// Called with the parameter once all of a backward pass's contributions to it have landed.
 using GradReadyHook = std::function<void(const at::Tensor& param)>;
@@ -92,7 +111,9 @@ class GradReadyHookHandle {
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
 
 /// Sets where a parameter's fp32 gradient buffer lives for fuse_wgrad_accumulation (Megatron's
-/// `param.main_grad`) for C++ callers. An undefined `main_grad` clears it.
+/// `param.main_grad`) for C++ callers. An undefined `main_grad` clears it. `param` must be a leaf
+/// that requires grad, `main_grad` an fp32 tensor of its shape on its device (c10::ValueError
+/// otherwise).
 void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad);
 /// The buffer set by set_main_grad(), or an undefined tensor.
 at::Tensor main_grad(const at::Tensor& param);

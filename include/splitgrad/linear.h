@@ -67,7 +67,10 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   int64_t pending_wgrads() const;
 
   /// Makes this layer use `weight` (typically another layer's) as its weight: the two share one
-  /// parameter, and every contribution to it accumulates.
+  /// parameter, and every contribution to it accumulates. `weight` must be a leaf tensor (a
+  /// parameter, not a view such as `other->weight.t()`) of this layer's shape, dtype and device.
+  /// The module's parameters() then lists the shared tensor once per layer: give an optimizer
+  /// unique_parameters(model) so that it is not stepped twice.
   void tie_weight(const torch::Tensor& weight);
   /// Likewise for the bias (this layer must have one).
   void tie_bias(const torch::Tensor& bias);
@@ -75,13 +78,26 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters (TE's name).
   void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
 
+  /// A deep copy with a registration (and, for a named layer, a name "<name>#<id>") of its own.
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<at::Device>& device = std::nullopt) const override;
+  /// torch::save: runs the pending-work guard (check_pending_wgrads) first.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Runs the pending-work guard first (also when called on a module that holds this layer).
+  void zero_grad(bool set_to_none = true) override;
+
   LinearOptions options;
   torch::Tensor weight;
   torch::Tensor bias;
 
  private:
+  void check_tie(const char* what, const torch::Tensor& current, const torch::Tensor& tied) const;
   std::shared_ptr<LayerHandle> layer_;
 };
+
+/// `module.parameters()` with each tensor once: a weight tied between layers (tie_weight) is
+/// listed by every layer that uses it, and an optimizer given it twice steps it twice.
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module);
 
 /// A ModuleHolder for LinearImpl (`splitgrad::Linear fc(16, 16); fc->forward(x)`).
 TORCH_MODULE(Linear);

@@ -5,3 +5,4 @@
 #include "splitgrad/deferred.h"
 #include "splitgrad/linear.h"
 #include "splitgrad/ops.h"
+#include "splitgrad/optim.h"

@@ -3,8 +3,10 @@
 #include <torch/cuda.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 
+#include "ops/checks.h"
 #include "splitgrad/ops.h"
 
 namespace splitgrad {
@@ -17,10 +19,13 @@ void LinearImpl::reset() {
                     options.in_features(), " and ", options.out_features());
   const at::Device device = options.device().value_or(
       torch::cuda::is_available() ? at::Device(at::kCUDA) : at::Device(at::kCPU));
-  const auto tensor_options = torch::TensorOptions()
-                                  .dtype(options.params_dtype().value_or(
-                                      c10::typeMetaToScalarType(at::get_default_dtype())))
-                                  .device(device);
+  const at::ScalarType dtype =
+      options.params_dtype().value_or(c10::typeMetaToScalarType(at::get_default_dtype()));
+  TORCH_CHECK_TYPE(at::isFloatingType(dtype),
+                   "splitgrad::Linear: expected a floating-point params_dtype (torch.float32, "
+                   "torch.bfloat16, ...), got ",
+                   detail::dtype_name(dtype));
+  const auto tensor_options = torch::TensorOptions().dtype(dtype).device(device);
   weight = register_parameter(
       "weight", torch::empty({options.out_features(), options.in_features()}, tensor_options));
   bias = options.bias()
@@ -52,6 +57,10 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
+  // Checked here: the dispatcher fails on an undefined tensor before splitgrad's checks run.
+  TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer_->name(),
+                    "': expected an input of shape [*, ", options.in_features(),
+                    "], got an undefined tensor");
   std::optional<at::Tensor> weight_main_grad, bias_main_grad;
   if (options.fuse_wgrad_accumulation()) {
     // The weight's main_grad is required; a bias without one gets its gradient in bias.grad.
@@ -85,10 +94,28 @@ std::vector<int64_t> LinearImpl::pending_passes() const { return layer_->pending
 
 int64_t LinearImpl::pending_wgrads() const { return layer_->pending(); }
 
+void LinearImpl::check_tie(const char* what, const torch::Tensor& current,
+                           const torch::Tensor& tied) const {
+  const std::string who = c10::str("splitgrad layer '", layer_->name(), "': tie_", what);
+  TORCH_CHECK_VALUE(tied.defined(), who, " expected a ", what, " of shape ", current.sizes(),
+                    ", got an undefined tensor");
+  TORCH_CHECK_VALUE(tied.sizes() == current.sizes(), who, " expected a ", what, " of shape ",
+                    current.sizes(), ", got ", tied.sizes());
+  // A deferred gradient is added to the tied tensor's own .grad: for a non-leaf (a view such as
+  // other->weight.t()) it would never reach the parameter behind it.
+  TORCH_CHECK_VALUE(tied.is_leaf(), who,
+                    " expected a parameter (a leaf tensor), got a non-leaf tensor (a view or the "
+                    "result of an op, such as other->weight.t()). Tie to the parameter itself; for "
+                    "a transposed tie, use torch::nn::functional::linear(x, other->weight.t()).");
+  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a ", what,
+                   " of dtype ", detail::dtype_name(current.scalar_type()), " (the layer's), got ",
+                   detail::dtype_name(tied.scalar_type()));
+  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
+                    current.device(), " (the layer's device), got ", tied.device());
+}
+
 void LinearImpl::tie_weight(const torch::Tensor& new_weight) {
-  TORCH_CHECK_VALUE(new_weight.sizes() == weight.sizes(), "splitgrad layer '", layer_->name(),
-                    "': tie_weight expected a weight of shape ", weight.sizes(), ", got ",
-                    new_weight.sizes());
+  check_tie("weight", weight, new_weight);
   parameters_["weight"] = new_weight;
   weight = new_weight;
 }
@@ -96,11 +123,43 @@ void LinearImpl::tie_weight(const torch::Tensor& new_weight) {
 void LinearImpl::tie_bias(const torch::Tensor& new_bias) {
   TORCH_CHECK_VALUE(bias.defined(), "splitgrad layer '", layer_->name(),
                     "': tie_bias on a layer built with bias=false");
-  TORCH_CHECK_VALUE(new_bias.sizes() == bias.sizes(), "splitgrad layer '", layer_->name(),
-                    "': tie_bias expected a bias of shape ", bias.sizes(), ", got ",
-                    new_bias.sizes());
+  check_tie("bias", bias, new_bias);
   parameters_["bias"] = new_bias;
   bias = new_bias;
+}
+
+std::shared_ptr<torch::nn::Module> LinearImpl::clone(
+    const std::optional<at::Device>& device) const {
+  auto copy = torch::nn::Cloneable<LinearImpl>::clone(device);
+  auto& linear = static_cast<LinearImpl&>(*copy);
+  // reset() gave the copy a registration of its own; a default name already carries its id, a
+  // user's name gets it too, so messages tell the two apart.
+  if (!options.name().empty()) {
+    linear.options.name(c10::str(options.name(), "#", linear.layer_->id()));
+    linear.layer_->set_name(linear.options.name());
+  }
+  return copy;
+}
+
+void LinearImpl::save(torch::serialize::OutputArchive& archive) const {
+  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"), {weight, bias});
+  torch::nn::Cloneable<LinearImpl>::save(archive);
+}
+
+void LinearImpl::zero_grad(bool set_to_none) {
+  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
+                       {weight, bias});
+  torch::nn::Cloneable<LinearImpl>::zero_grad(set_to_none);
+}
+
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
+  std::vector<torch::Tensor> out;
+  for (const auto& param : module.parameters()) {
+    const bool seen = std::any_of(out.begin(), out.end(),
+                                  [&](const torch::Tensor& p) { return p.is_same(param); });
+    if (!seen) out.push_back(param);
+  }
+  return out;
 }
 
 void LinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {

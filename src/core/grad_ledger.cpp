@@ -9,8 +9,10 @@
 namespace splitgrad::core {
 
 GradLedger& GradLedger::instance() {
-  static GradLedger ledger;
-  return ledger;
+  // Leaked on purpose: hooks it holds may own layers whose destructors call back into the ledger,
+  // and objects destroyed at exit (a global layer) may too; a static would be gone by then.
+  static GradLedger* ledger = new GradLedger();
+  return *ledger;
 }
 
 GradLedger::ParamState& GradLedger::state_for(const at::Tensor& param) {

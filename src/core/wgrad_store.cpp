@@ -16,8 +16,9 @@ std::vector<at::Tensor> DeferredWgrad::targets() const {
 }
 
 WgradStore& WgradStore::instance() {
-  static WgradStore store;
-  return store;
+  // Leaked on purpose, like the ledger: layers destroyed at exit still unregister here.
+  static WgradStore* store = new WgradStore();
+  return *store;
 }
 
 LayerId WgradStore::register_layer(std::string name) {
@@ -30,7 +31,7 @@ LayerId WgradStore::register_layer(std::string name) {
 
 std::vector<DeferredWgrad> WgradStore::release_layer(LayerId layer) {
   std::lock_guard<std::mutex> lock(mutex_);
-  names_.erase(layer);
+  // The name stays: a backward pass still running through the deleted layer names it.
   auto it = queues_.find(layer);
   if (it == queues_.end()) return {};
   auto& items = it->second.items;
@@ -44,7 +45,8 @@ std::vector<DeferredWgrad> WgradStore::release_layer(LayerId layer) {
 void WgradStore::rename_layer(LayerId layer, std::string name) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = names_.find(layer);
-  TORCH_CHECK(it != names_.end(), "splitgrad: cannot rename unregistered layer ", layer);
+  TORCH_CHECK(it != names_.end() && queues_.count(layer),
+              "splitgrad: cannot rename unregistered layer ", layer);
   it->second = std::move(name);
 }
 
@@ -56,7 +58,7 @@ std::string WgradStore::layer_name(LayerId layer) const {
 
 bool WgradStore::is_registered(LayerId layer) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return names_.count(layer) != 0;
+  return queues_.count(layer) != 0;
 }
 
 void WgradStore::push(DeferredWgrad item) {
@@ -138,6 +140,37 @@ std::vector<DeferredWgrad> WgradStore::take_all() {
   return taken;
 }
 
+bool WgradStore::feeds(const DeferredWgrad& item, const std::vector<at::Tensor>& params) {
+  if (params.empty()) return true;
+  for (const auto& target : item.targets()) {
+    for (const auto& p : params) {
+      if (p.defined() && p.unsafeGetTensorImpl() == target.unsafeGetTensorImpl()) return true;
+    }
+  }
+  return false;
+}
+
+std::vector<DeferredWgrad> WgradStore::take_feeding(const std::vector<at::Tensor>& params) {
+  if (params.empty()) return take_all();
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<DeferredWgrad> taken;
+  for (auto& [layer, queue] : queues_) {
+    auto& items = queue.items;
+    auto keep = std::stable_partition(items.begin(), items.end(), [&](const DeferredWgrad& item) {
+      return !feeds(item, params);
+    });
+    for (auto it = keep; it != items.end(); ++it) {
+      if (--queue.per_pass[it->pass] == 0) queue.per_pass.erase(it->pass);
+      taken.push_back(std::move(*it));
+    }
+    items.erase(keep, items.end());
+  }
+  pending_ -= taken.size();
+  std::sort(taken.begin(), taken.end(),
+            [](const DeferredWgrad& a, const DeferredWgrad& b) { return a.seq < b.seq; });
+  return taken;
+}
+
 void WgradStore::restore(std::vector<DeferredWgrad> items) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& item : items) {
@@ -166,18 +199,11 @@ size_t WgradStore::pending(LayerId layer) const {
 
 std::vector<LayerId> WgradStore::layers_with_pending(const std::vector<at::Tensor>& params) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto feeds = [&](const DeferredWgrad& item) {
-    if (params.empty()) return true;
-    for (const auto& target : item.targets()) {
-      for (const auto& p : params) {
-        if (p.defined() && p.unsafeGetTensorImpl() == target.unsafeGetTensorImpl()) return true;
-      }
-    }
-    return false;
-  };
   std::vector<LayerId> layers;
   for (const auto& [layer, queue] : queues_) {
-    if (std::any_of(queue.items.begin(), queue.items.end(), feeds)) layers.push_back(layer);
+    if (std::any_of(queue.items.begin(), queue.items.end(),
+                    [&](const DeferredWgrad& item) { return feeds(item, params); }))
+      layers.push_back(layer);
   }
   return layers;
 }

@@ -52,9 +52,10 @@ class WgradStore {
   /// Registers a layer; its name appears in every message about its work.
   LayerId register_layer(std::string name);
   /// Unregisters a layer and returns the items it still had queued (the caller accounts for them).
+  /// Its name is kept for messages about work of it still in flight.
   std::vector<DeferredWgrad> release_layer(LayerId layer);
   void rename_layer(LayerId layer, std::string name);
-  /// The layer's name, or "<unregistered layer N>".
+  /// The layer's name (also after release), or "<unregistered layer N>" for an id never issued.
   std::string layer_name(LayerId layer) const;
   bool is_registered(LayerId layer) const;
 
@@ -69,6 +70,8 @@ class WgradStore {
   std::vector<PassId> pending_passes(LayerId layer) const;
   /// Takes every queued item, oldest first.
   std::vector<DeferredWgrad> take_all();
+  /// Takes every queued item that feeds one of `params` (all of them when empty), oldest first.
+  std::vector<DeferredWgrad> take_feeding(const std::vector<at::Tensor>& params);
   /// Puts items taken earlier back in place (same order as before they were taken).
   void restore(std::vector<DeferredWgrad> items);
 
@@ -84,12 +87,13 @@ class WgradStore {
   LayerId next_layer_ = 1;
   uint64_t next_seq_ = 1;
   size_t pending_ = 0;
-  std::map<LayerId, std::string> names_;
+  std::map<LayerId, std::string> names_;  // every layer ever registered, released ones too
   struct LayerQueue {
     std::deque<DeferredWgrad> items;              // in queue order
     std::unordered_map<PassId, size_t> per_pass;  // items per pass, so a take is O(its items)
   };
   std::vector<DeferredWgrad> take_pass_locked(LayerQueue& queue, PassId pass);  // requires mutex_
+  static bool feeds(const DeferredWgrad& item, const std::vector<at::Tensor>& params);
   std::map<LayerId, LayerQueue> queues_;
 };
 

@@ -9,11 +9,17 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
+#include <condition_variable>
 #include <exception>
+#include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 
+#include "ops/checks.h"
 #include "ops/deferred_internal.h"
 #include "splitgrad/ops.h"
 
@@ -68,8 +74,41 @@ bool pass_accumulates_into(const at::Tensor& param) {
 }
 
 namespace {
-std::mutex callback_mutex;
-std::function<void(const at::Tensor&)> main_grad_callback;
+// Process-wide state is leaked, not destroyed at exit: layers and hooks destroyed after it (a
+// global layer, a hook holding one) still reach it.
+struct MainGradCallback {
+  std::mutex mutex;
+  std::function<void(const at::Tensor&)> callback;
+};
+MainGradCallback& main_grad_callback() {
+  static auto* state = new MainGradCallback();
+  return *state;
+}
+
+// Serialises the writes to one parameter's gradient: two threads' deferred work (or one's
+// backward_dw and another's fused backward) may feed the same parameter. Striped by address.
+class GradWriteLocks {
+ public:
+  explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params) {
+    std::vector<size_t> stripes;
+    for (const at::Tensor* p : params) {
+      if (p->defined()) {
+        stripes.push_back(std::hash<const void*>()(p->unsafeGetTensorImpl()) % kStripes);
+      }
+    }
+    std::sort(stripes.begin(), stripes.end());  // one global order: no deadlock
+    stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
+    for (size_t s : stripes) locks_.emplace_back(mutexes()[s]);
+  }
+
+ private:
+  static constexpr size_t kStripes = 64;
+  static std::array<std::mutex, kStripes>& mutexes() {
+    static auto* m = new std::array<std::mutex, kStripes>();
+    return *m;
+  }
+  std::vector<std::unique_lock<std::mutex>> locks_;
+};
 
 // The dtype autograd gives `param`'s .grad: its grad_dtype (a bf16 parameter may keep fp32
 // gradients), else its own; nullopt where any dtype is allowed.
@@ -110,8 +149,8 @@ c10::Stream current_stream_of(const at::Tensor& t) {
 void notify_main_grad_accumulated(const at::Tensor& param) {
   std::function<void(const at::Tensor&)> callback;
   {
-    std::lock_guard<std::mutex> lock(callback_mutex);
-    callback = main_grad_callback;
+    std::lock_guard<std::mutex> lock(main_grad_callback().mutex);
+    callback = main_grad_callback().callback;
   }
   if (callback) callback(param);
 }
@@ -122,35 +161,38 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
   // so the NoGradGuard comes after it.
   c10::InferenceMode not_inference(false);
   at::NoGradGuard no_grad;
-  // A .grad gets autograd's own arithmetic: the gradient is computed on its own (rounded to the
-  // inputs' dtype) and then stored or added, as AccumulateGrad does, so the deferred path is
-  // bit-identical to the immediate one. The exception, in place with the same rounding: a bias
-  // .grad of the inputs' dtype (the bias kernel rounds the sum before adding, as add_ does).
-  // A main_grad is accumulated in place: dW inside the GEMM in fp32 (beta = 1, no temporary).
-  const bool weight_to_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
-  const at::Tensor bias_grad = sinks.bias.defined() ? sinks.bias.grad() : at::Tensor();
-  const bool bias_in_place =
-      sinks.bias.defined() && (sinks.bias_main_grad.defined() ||
-                               (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-                                bias_grad.scalar_type() == grad_output.scalar_type()));
-  const bool bias_value = sinks.bias.defined() && !bias_in_place;
-  if (weight_to_grad) {
-    auto [weight_grad, db] = ops::linear_wgrad(grad_output, input, bias_value);
-    add_to_grad(sinks.weight, weight_grad);
-    if (bias_value) add_to_grad(sinks.bias, db);
-  } else if (bias_value) {  // the bias kernel's sum on its own: 0 + round(Σ dy) = round(Σ dy)
-    at::Tensor db = at::zeros({sinks.bias.size(0)}, grad_output.options());
-    ops::linear_wgrad_accumulate_(grad_output, input, std::nullopt, db);
-    add_to_grad(sinks.bias, db);
-  }
-  const at::Tensor weight_sink =
-      sinks.weight.defined() && !weight_to_grad ? sinks.weight_main_grad : at::Tensor();
-  const at::Tensor bias_sink = !bias_in_place                   ? at::Tensor()
-                               : sinks.bias_main_grad.defined() ? sinks.bias_main_grad
-                                                                : bias_grad;
-  if (weight_sink.defined() || bias_sink.defined()) {
-    ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
-                                  optional_if_defined(bias_sink));
+  {
+    GradWriteLocks locks{&sinks.weight, &sinks.bias};
+    // A .grad gets autograd's own arithmetic: the gradient is computed on its own (rounded to the
+    // inputs' dtype) and then stored or added, as AccumulateGrad does, so the deferred path is
+    // bit-identical to the immediate one. The exception, in place with the same rounding: a bias
+    // .grad of the inputs' dtype (the bias kernel rounds the sum before adding, as add_ does).
+    // A main_grad is accumulated in place: dW inside the GEMM in fp32 (beta = 1, no temporary).
+    const bool weight_to_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
+    const at::Tensor bias_grad = sinks.bias.defined() ? sinks.bias.grad() : at::Tensor();
+    const bool bias_in_place =
+        sinks.bias.defined() && (sinks.bias_main_grad.defined() ||
+                                 (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+                                  bias_grad.scalar_type() == grad_output.scalar_type()));
+    const bool bias_value = sinks.bias.defined() && !bias_in_place;
+    if (weight_to_grad) {
+      auto [weight_grad, db] = ops::linear_wgrad(grad_output, input, bias_value);
+      add_to_grad(sinks.weight, weight_grad);
+      if (bias_value) add_to_grad(sinks.bias, db);
+    } else if (bias_value) {  // the bias kernel's sum on its own: 0 + round(Σ dy) = round(Σ dy)
+      at::Tensor db = at::zeros({sinks.bias.size(0)}, grad_output.options());
+      ops::linear_wgrad_accumulate_(grad_output, input, std::nullopt, db);
+      add_to_grad(sinks.bias, db);
+    }
+    const at::Tensor weight_sink =
+        sinks.weight.defined() && !weight_to_grad ? sinks.weight_main_grad : at::Tensor();
+    const at::Tensor bias_sink = !bias_in_place                   ? at::Tensor()
+                                 : sinks.bias_main_grad.defined() ? sinks.bias_main_grad
+                                                                  : bias_grad;
+    if (weight_sink.defined() || bias_sink.defined()) {
+      ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
+                                    optional_if_defined(bias_sink));
+    }
   }
   if (sinks.weight.defined() && sinks.weight_main_grad.defined()) {
     notify_main_grad_accumulated(sinks.weight);
@@ -179,6 +221,82 @@ std::string stale_reason(const DeferredWgrad& item) {
   if (reason.empty()) reason = check(item.grad_output, item.grad_output_version, "grad_output");
   return reason;
 }
+
+// The deferred work taken off the store and not yet landed, by the call that runs it, so that
+// backward_dw_all() in one thread can wait for work another thread took before it. Leaked (see
+// main_grad_callback).
+class InFlight {
+ public:
+  static InFlight& instance() {
+    static auto* state = new InFlight();
+    return *state;
+  }
+
+  // Takes items with `take` and registers them as one batch of this thread, atomically (no
+  // waiter can miss them between the two). Returns the batch id (0: nothing taken).
+  template <class Take>
+  uint64_t take(Take&& take, std::vector<DeferredWgrad>& items) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    items = take();
+    if (items.empty()) return 0;
+    Batch batch{std::this_thread::get_id(), {}};
+    for (const auto& item : items) {
+      for (const auto& target : item.targets())
+        batch.targets.push_back(target.unsafeGetTensorImpl());
+    }
+    const uint64_t id = next_batch_++;
+    batches_.emplace(id, std::move(batch));
+    return id;
+  }
+
+  void finish(uint64_t batch) {
+    if (batch == 0) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      batches_.erase(batch);
+    }
+    landed_.notify_all();
+  }
+
+  // Batches of other threads in flight now that feed one of `params` (any, when empty).
+  std::vector<uint64_t> others(const std::vector<at::Tensor>& params) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<uint64_t> out;
+    for (const auto& [id, batch] : batches_) {
+      if (batch.thread == std::this_thread::get_id()) continue;  // ours: waiting would deadlock
+      bool feeds = params.empty();
+      for (size_t i = 0; !feeds && i < params.size(); ++i) {
+        feeds = std::find(batch.targets.begin(), batch.targets.end(),
+                          params[i].unsafeGetTensorImpl()) != batch.targets.end();
+      }
+      if (feeds) out.push_back(id);
+    }
+    return out;
+  }
+
+  void wait_for(const std::vector<uint64_t>& ids) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    landed_.wait(lock, [&] {
+      return std::none_of(ids.begin(), ids.end(), [&](uint64_t id) { return batches_.count(id); });
+    });
+  }
+
+ private:
+  struct Batch {
+    std::thread::id thread;
+    std::vector<const c10::TensorImpl*> targets;
+  };
+  std::mutex mutex_;
+  std::condition_variable landed_;
+  uint64_t next_batch_ = 1;
+  std::map<uint64_t, Batch> batches_;
+};
+
+// Ends a batch when its run() is over, however it ends.
+struct BatchScope {
+  uint64_t id;
+  ~BatchScope() { InFlight::instance().finish(id); }
+};
 
 // An item run on a stream other than the one that queued it: its kernels were only enqueued, so
 // the stashed tensors, about to be released, must not go back to the allocator (and to the
@@ -285,7 +403,9 @@ int64_t LayerHandle::pending() const {
 }
 
 void LayerHandle::backward_dw() {
-  std::vector<DeferredWgrad> items = WgradStore::instance().take_oldest_pass(id_);
+  std::vector<DeferredWgrad> items;
+  BatchScope batch{InFlight::instance().take(
+      [&] { return WgradStore::instance().take_oldest_pass(id_); }, items)};
   TORCH_CHECK(!items.empty(), detail::layer_label(id_),
               ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
               "this layer (run a backward pass through it first, or check that it was built with "
@@ -298,7 +418,9 @@ std::vector<int64_t> LayerHandle::pending_passes() const {
 }
 
 void LayerHandle::backward_dw(int64_t pass) {
-  std::vector<DeferredWgrad> items = WgradStore::instance().take_pass(id_, pass);
+  std::vector<DeferredWgrad> items;
+  BatchScope batch{InFlight::instance().take(
+      [&] { return WgradStore::instance().take_pass(id_, pass); }, items)};
   TORCH_CHECK(!items.empty(), detail::layer_label(id_), ": backward_dw(pass=", pass,
               ") was called but that backward pass has no deferred wgrad work queued for this "
               "layer (passes pending: ",
@@ -306,7 +428,23 @@ void LayerHandle::backward_dw(int64_t pass) {
   run(std::move(items));
 }
 
-void backward_dw_all() { run(WgradStore::instance().take_all()); }
+void backward_dw_all() { backward_dw_all({}); }
+
+void backward_dw_all(const std::vector<at::Tensor>& params) {
+  // Two rounds: the second runs what a batch we waited for put back on the queue (its run threw).
+  for (int round = 0; round < 2; ++round) {
+    std::vector<DeferredWgrad> items;
+    std::vector<uint64_t> others;
+    {
+      BatchScope batch{InFlight::instance().take(
+          [&] { return WgradStore::instance().take_feeding(params); }, items)};
+      others = InFlight::instance().others(params);
+      if (!items.empty()) run(std::move(items));
+    }
+    if (others.empty()) return;
+    InFlight::instance().wait_for(others);
+  }
+}
 
 int64_t pending_wgrads() { return static_cast<int64_t>(WgradStore::instance().pending()); }
 
@@ -328,6 +466,27 @@ std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor
     names.push_back(WgradStore::instance().layer_name(layer));
   }
   return names;
+}
+
+namespace {
+std::atomic<PendingWorkPolicy> pending_policy{PendingWorkPolicy::kWarn};
+}
+
+void set_pending_work_policy(PendingWorkPolicy policy) { pending_policy = policy; }
+PendingWorkPolicy pending_work_policy() { return pending_policy; }
+
+void check_pending_wgrads(const std::string& action, const std::vector<at::Tensor>& params) {
+  if (WgradStore::instance().pending() == 0) return;
+  const std::vector<std::string> layers = layers_with_pending_wgrads(params);
+  if (layers.empty()) return;
+  std::string names;
+  for (const auto& name : layers) names += (names.empty() ? "'" : ", '") + name + "'";
+  const std::string message = c10::str(
+      action, " while deferred wgrad work is pending for splitgrad layer(s) ", names,
+      ": their weight gradients have not been computed yet. Call backward_dw() on those layers "
+      "(or splitgrad::backward_dw_all()) first.");
+  TORCH_CHECK(pending_policy != PendingWorkPolicy::kError, message);
+  TORCH_WARN(message);
 }
 
 struct GradReadyHookHandle::State {
@@ -374,33 +533,51 @@ void GradReadyHookHandle::remove() {
 }
 
 namespace {
-std::mutex main_grad_mutex;
-std::unordered_map<const c10::TensorImpl*, std::pair<core::WeakTensor, at::Tensor>> main_grads;
+struct MainGrads {  // leaked, like the ledger (see main_grad_callback)
+  std::mutex mutex;
+  std::unordered_map<const c10::TensorImpl*, std::pair<core::WeakTensor, at::Tensor>> table;
+};
+MainGrads& main_grads() {
+  static auto* state = new MainGrads();
+  return *state;
+}
 }  // namespace
 
 void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad) {
-  std::lock_guard<std::mutex> lock(main_grad_mutex);
-  for (auto it = main_grads.begin(); it != main_grads.end();) {  // forget dead parameters
-    it = it->second.first.expired() ? main_grads.erase(it) : std::next(it);
+  TORCH_CHECK_VALUE(param.defined(),
+                    "set_main_grad: expected a parameter, got an undefined tensor");
+  TORCH_CHECK_VALUE(param.is_leaf() && param.requires_grad(),
+                    "set_main_grad: expected a leaf tensor that requires grad (a parameter), got "
+                    "one with is_leaf=",
+                    param.is_leaf(), ", requires_grad=", param.requires_grad());
+  if (main_grad.defined()) {
+    detail::check_main_grad(detail::named("set_main_grad"), "param", main_grad, param);
+  }
+  auto& state = main_grads();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  for (auto it = state.table.begin(); it != state.table.end();) {  // forget dead parameters
+    it = it->second.first.expired() ? state.table.erase(it) : std::next(it);
   }
   if (!main_grad.defined()) {
-    main_grads.erase(param.unsafeGetTensorImpl());
+    state.table.erase(param.unsafeGetTensorImpl());
     return;
   }
-  main_grads.insert_or_assign(param.unsafeGetTensorImpl(),
-                              std::make_pair(core::WeakTensor(param.getIntrusivePtr()), main_grad));
+  state.table.insert_or_assign(
+      param.unsafeGetTensorImpl(),
+      std::make_pair(core::WeakTensor(param.getIntrusivePtr()), main_grad));
 }
 
 at::Tensor main_grad(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(main_grad_mutex);
-  auto it = main_grads.find(param.unsafeGetTensorImpl());
-  if (it == main_grads.end() || it->second.first.expired()) return {};
+  auto& state = main_grads();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  auto it = state.table.find(param.unsafeGetTensorImpl());
+  if (it == state.table.end() || it->second.first.expired()) return {};
   return it->second.second;
 }
 
 void set_main_grad_accumulated_callback(std::function<void(const at::Tensor& param)> callback) {
-  std::lock_guard<std::mutex> lock(detail::callback_mutex);
-  detail::main_grad_callback = std::move(callback);
+  std::lock_guard<std::mutex> lock(detail::main_grad_callback().mutex);
+  detail::main_grad_callback().callback = std::move(callback);
 }
 
 }  // namespace splitgrad

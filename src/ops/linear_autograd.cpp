@@ -71,8 +71,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
     if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
-    // Kept for the message about a layer deleted before its backward (its registration is gone).
-    if (delay) ctx->saved_data["layer_name"] = core::WgradStore::instance().layer_name(layer_id);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fprop(input, weight, bias, compute_dtype);
   }
@@ -157,8 +155,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       // The layer was deleted between its forward and this backward. As for work pending when a
       // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
       // skip this pass), but the rest of the backward pass goes on.
-      TORCH_WARN("splitgrad layer '", ctx->saved_data["layer_name"].toStringRef(),
-                 "' was deleted before its backward pass: its deferred weight "
+      TORCH_WARN(layer_label(layer),
+                 " was deleted before its backward pass: its deferred weight "
                  "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
       for (const auto& target : {sinks.weight, sinks.bias}) {
         if (!target.defined()) continue;

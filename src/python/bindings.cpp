@@ -94,6 +94,8 @@ PYBIND11_MODULE(_C, m) {
       "backward_dw_all",
       [] {
         HANDLE_TH_ERRORS
+        // It may wait for another thread's deferred work, whose hooks need the GIL.
+        py::gil_scoped_release no_gil;
         splitgrad::backward_dw_all();
         END_HANDLE_TH_ERRORS_PYBIND
       },
