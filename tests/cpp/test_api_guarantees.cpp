@@ -317,7 +317,7 @@ TEST_F(ApiTest, UndefinedInputNamesTheLayer) {
 TEST_F(ApiTest, NonFloatingParamsDtypeNamesTheOption) {
   const std::string msg = error_message([] { Linear fc(opts(4, 4).params_dtype(torch::kLong)); });
   EXPECT_CONTAINS(msg, "params_dtype");
-  EXPECT_CONTAINS(msg, "torch.Long");
+  EXPECT_CONTAINS(msg, "torch.int64");
 }
 
 TEST_F(ApiTest, SetMainGradChecksItsArguments) {
