@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "splitgrad/splitgrad.h"
+#include "test_helpers.h"
 
 namespace {
 
@@ -30,20 +31,7 @@ torch::Tensor ref_param(const torch::Tensor& param) {
   return param.detach().clone().requires_grad_();
 }
 
-std::string error_message(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected a c10::Error";
-  return "";
-}
-
-#define EXPECT_CONTAINS(text, part)                          \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected to find \"" << (part) << "\" in:\n"       \
-      << (text)
+using splitgrad_test::error_message;
 
 class CapturingWarningHandler : public c10::WarningHandler {
  public:

@@ -17,6 +17,7 @@
 
 #include "core/grad_ledger.h"  // WeakTensor
 #include "splitgrad/splitgrad.h"
+#include "test_helpers.h"
 
 namespace {
 
@@ -79,21 +80,7 @@ double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
 constexpr double kReassocRtol = 1e-5;
 constexpr double kReassocAtol = 1e-6;
 
-// Runs `fn`, expects a c10::Error, and returns its message without the C++ backtrace.
-std::string error_message(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  ADD_FAILURE() << "expected a c10::Error";
-  return "";
-}
-
-#define EXPECT_CONTAINS(text, part)                          \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected to find \"" << (part) << "\" in:\n"       \
-      << (text)
+using splitgrad_test::error_message;
 
 class LinearTest : public ::testing::Test {
  protected:
