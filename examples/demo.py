@@ -326,6 +326,16 @@ def main(argv=None) -> int:
     for option in ("batch", "context", "dim", "heads", "layers"):
         if getattr(args, option) < 1:
             parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        parser.error(f"--lr must be a positive number, got {args.lr}")
+    if args.tolerance is not None and math.isnan(args.tolerance):
+        parser.error("--tolerance must be a number, got nan")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {args.out!r}: cannot create the folder ({error.strerror})")
+    if not os.access(args.out, os.W_OK):
+        parser.error(f"--out {args.out!r}: the folder is not writable")
     if args.dim % args.heads:
         parser.error(f"--heads {args.heads} must divide --dim {args.dim} (each head gets dim / heads features)")
     for name in [args.schedule, *args.compare]:

@@ -46,11 +46,15 @@ def _exporting() -> bool:
 
 
 
-@torch.compiler.disable
-def _linear_delayed_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id):
+@torch.compiler.disable(
+    reason="a splitgrad.Linear with delay_wgrad_compute or fuse_wgrad_accumulation runs eagerly "
+    "(a graph break): its deferred work and main_grad accumulation happen outside compiled graphs, "
+    "so fullgraph=True cannot include it")
+def _linear_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay):
     # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
-    # graph, so the delayed layer runs eagerly (a graph break).
-    return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, True)
+    # graph, and a fused layer's gradient must reach main_grad, which a compiled backward (where
+    # AOTAutograd returns every gradient to autograd) would bypass: such layers run eagerly.
+    return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay)
 
 
 class Linear(nn.Module):
@@ -168,16 +172,17 @@ class Linear(nn.Module):
         # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
         bias = None if self.return_bias else self.bias
         weight_main_grad = bias_main_grad = None
-        if self.fuse_wgrad_accumulation:
+        if self.fuse_wgrad_accumulation and not _exporting():  # export records an unfused call
             weight_main_grad = self._main_grad_of(self.weight, "weight")
             if bias is not None:
                 bias_main_grad = self._main_grad_of(bias, "bias", required=False)
         try:
             if _exporting():
                 out = self._regular_unregistered(inp, bias)
-            elif self.delay_wgrad_compute and torch.compiler.is_compiling():
-                out = _linear_delayed_outside_graph(
-                    inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id
+            elif (self.delay_wgrad_compute or self.fuse_wgrad_accumulation) and torch.compiler.is_compiling():
+                out = _linear_outside_graph(
+                    inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,
+                    self.delay_wgrad_compute,
                 )
             elif torch.jit.is_tracing():
                 out = self._regular_unregistered(inp, bias)

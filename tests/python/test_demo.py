@@ -41,6 +41,14 @@ def test_demo_fails_when_the_tolerance_is_impossible(tmp_path):
     assert "PARITY FAILED" in printed
 
 
+def test_demo_refuses_an_output_folder_it_cannot_create(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    status, printed = run_demo("--out", str(blocker / "plots"), timeout=120)
+    assert status == 2, printed
+    assert f"demo.py: error: --out {str(blocker / 'plots')!r}: cannot create the folder" in printed, printed
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--heads", "3"], "--heads 3 must divide --dim 32"),
     (["--batch", "0"], "--batch must be at least 1, got 0"),
@@ -48,6 +56,9 @@ def test_demo_fails_when_the_tolerance_is_impossible(tmp_path):
     (["--schedule", "dualpipev", "--micro-batches", "3"],
      "--micro-batches 3: DualPipeV on 2 ranks needs at least as many micro-batches as stages (4)"),
     (["--micro-batches", "1"], "--micro-batches 1: 1F1B on 2 ranks needs at least as many"),  # the --compare one
+    (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
+    (["--lr", "nan"], "--lr must be a positive number, got nan"),
+    (["--tolerance", "nan"], "--tolerance must be a number, got nan"),
 ])
 def test_demo_refuses_bad_options_up_front(tmp_path, args, expected):
     """Options the model or the schedules cannot take: a one-line argparse error (exit 2) before any

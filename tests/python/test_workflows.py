@@ -346,6 +346,39 @@ def test_jit_trace_records_a_regular_unregistered_call():
     exact(model.weight.grad, ref.weight.grad)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fused_layer_accumulates_into_main_grad(backend):
+    """A fused layer under torch.compile runs eagerly (a graph break): its gradient reaches main_grad,
+    not the .grad a compiled backward would give it."""
+    torch._dynamo.reset()
+    model = layer(False, fuse_wgrad_accumulation=True)
+    model.weight.main_grad = torch.zeros(D, D)
+    model.bias.main_grad = torch.zeros(D)
+    ref = plain_twin(model)
+    compiled = torch.compile(nn.Sequential(model, nn.GELU()), backend=backend)
+    x = torch.randn(5, D)
+    compiled(x).pow(2).sum().backward()
+    torch.nn.functional.gelu(ref(x)).pow(2).sum().backward()
+    assert model.weight.grad is None and model.bias.grad is None
+    torch.testing.assert_close(model.weight.main_grad, ref.weight.grad)
+    torch.testing.assert_close(model.bias.main_grad, ref.bias.grad)
+
+
+def test_fullgraph_compile_of_a_delayed_layer_says_why():
+    torch._dynamo.reset()
+    model = layer(True)
+    with pytest.raises(Exception, match="runs eagerly"):
+        torch.compile(model, fullgraph=True, backend="eager")(torch.randn(3, D))
+
+
+def test_export_of_a_fused_layer_records_an_unfused_call():
+    model = layer(False, fuse_wgrad_accumulation=True)
+    model.weight.main_grad = torch.zeros(D, D)
+    x = torch.randn(3, D)
+    program = torch.export.export(model, (x,))
+    exact(program.module()(x), model(x).detach())
+
+
 # 8. Deleted models are freed ------------------------------------------------------------------
 
 
