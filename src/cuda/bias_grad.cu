@@ -6,12 +6,11 @@
 //     added in order (a fixed order: deterministic), and the sum written
 //     target = sum, or target += sum rounded first to the target's type (as `grad.add_(db)` would,
 //     so deferred and immediate bias gradients are bit-identical).
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 #include <algorithm>
 
 #include "cuda/bias_grad.h"
+#include "cuda/float_convert.cuh"
 
 namespace splitgrad::cuda {
 namespace {
@@ -22,25 +21,6 @@ constexpr int kRowLanes = 8;
 constexpr int kColsPerBlock = kColsPerThread * kThreadsX;  // 256
 constexpr int kMinRowsPerBlock = 64;                       // 8 rows per thread
 constexpr int kFillThreads = 256;
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half(v);
-}
 
 // Adds 8 adjacent elements starting at `p` (16-byte aligned) into acc, with 16-byte loads.
 template <typename T>

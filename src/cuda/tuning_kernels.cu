@@ -1,7 +1,6 @@
 // The autotuner's helpers (see tuning_kernels.h): a fixed pseudo-random fill and a bitwise compare.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
+#include "cuda/float_convert.cuh"
 #include "cuda/tuning_kernels.h"
 
 namespace splitgrad::cuda {
@@ -18,21 +17,6 @@ __device__ __forceinline__ uint32_t hash(uint32_t x) {
   x *= 0x846ca68bU;
   x ^= x >> 16;
   return x;
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half(v);
 }
 
 template <typename T>
