@@ -27,7 +27,9 @@ gradients do not exist yet and would be lost).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import weakref
 from typing import Iterator
 
 import torch
@@ -41,6 +43,17 @@ from ._fsdp import finish_fsdp_reductions, fsdp_reduction_log, fully_shard
 __all__ = ["GradReducer", "fully_shard", "finish_fsdp_reductions", "fsdp_reduction_log"]
 
 _MODES = ("all_reduce", "reduce_scatter")
+
+
+def _call_if_alive(method: weakref.WeakMethod, *args):
+    bound = method()
+    return bound(*args) if bound is not None else None
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def _capturing() -> bool:
@@ -202,8 +215,14 @@ class GradReducer:
         self._used_work = None
         self._active = False  # a step began since the last finish()
         self._unused: set[int] = set()  # ids of the parameters used on no rank in the last step
-        self._handles = [register_grad_ready_hook(param, self._hook) for _, param in params]
-        self._handles.append(model.register_forward_pre_hook(self._forward_pre_hook))
+        # The hooks live on the parameters and the model: they hold the reducer weakly, so a reducer
+        # dropped without remove() stops reducing (and is freed) instead of launching collectives
+        # beside its successor's; its hooks are removed when it is collected.
+        hook, forward_pre_hook = weakref.WeakMethod(self._hook), weakref.WeakMethod(self._forward_pre_hook)
+        self._handles = [register_grad_ready_hook(param, functools.partial(_call_if_alive, hook))
+                         for _, param in params]
+        self._handles.append(model.register_forward_pre_hook(functools.partial(_call_if_alive, forward_pre_hook)))
+        weakref.finalize(self, _remove_handles, self._handles)
 
     # -- introspection --------------------------------------------------------------------------
 
@@ -457,6 +476,4 @@ class GradReducer:
 
     def remove(self) -> None:
         """Unregister the grad-ready hooks (launched collectives are not waited for: call finish() first)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        _remove_handles(self._handles)

@@ -15,6 +15,7 @@ To keep the file fast, one group of processes per world size runs every case in 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -746,3 +747,36 @@ def test_arguments_checked_and_not_initialized_error():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="init_process_group"):
             splitgrad.distributed.GradReducer(model)
+
+
+def test_a_reducer_dropped_without_remove_stops_and_is_freed():
+    """Hooks hold their reducer weakly: rebinding the name to a new GradReducer over the same model
+    leaves one reducer launching collectives, not two (the old one was freed with its hooks)."""
+    import gc
+    import weakref
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Sequential(linear(True, "a"), linear(True, "b"))
+        reference = copy.deepcopy(model)
+        reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=1e-6)
+        old = weakref.ref(reducer)
+        for step in range(3):
+            if step == 1:
+                reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=25)  # no remove()
+                gc.collect()
+                assert old() is None, "the dropped GradReducer is still alive"
+            x = torch.randn(4, D)
+            model(x).square().sum().backward()
+            for layer in reversed(model):
+                layer.backward_dw()
+            reducer.finish()
+            reference(x).square().sum().backward()
+            for layer in reversed(reference):
+                layer.backward_dw()
+            assert len(reducer.launch_log) > 0
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    finally:
+        dist.destroy_process_group()
