@@ -24,9 +24,17 @@ __all__ = [
 ]
 
 
-def backward_dw_all() -> None:
-    """Run every pending deferred wgrad in the process, oldest first."""
-    _C.backward_dw_all()
+def backward_dw_all(params: Iterable[torch.Tensor] | None = None) -> None:
+    """Run every pending deferred wgrad in the process, oldest first; with ``params`` (one model's,
+    ``model.parameters()``), only the work that feeds them, so that threads training models of their
+    own run only their own work. Returns once that work has landed, including items another thread
+    had already taken."""
+    if params is None:
+        _C.backward_dw_all()
+        return
+    params = list(params)
+    if params:  # an empty list would mean "all" to the C++ call
+        _C.backward_dw_all(params)
 
 
 def pending_wgrads() -> int:

@@ -92,14 +92,15 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "backward_dw_all",
-      [] {
+      [](const std::vector<at::Tensor>& params) {
         HANDLE_TH_ERRORS
         // It may wait for another thread's deferred work, whose hooks need the GIL.
         py::gil_scoped_release no_gil;
-        splitgrad::backward_dw_all();
+        splitgrad::backward_dw_all(params);
         END_HANDLE_TH_ERRORS_PYBIND
       },
-      "Runs every pending deferred wgrad in the process, oldest first.");
+      py::arg("params") = std::vector<at::Tensor>{},
+      "Runs the pending deferred wgrad feeding `params` (every item when empty), oldest first.");
   m.def("pending_wgrads", &splitgrad::pending_wgrads,
         "How many deferred wgrad items are waiting (all layers).");
   m.def(

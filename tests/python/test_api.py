@@ -4,6 +4,7 @@ deepcopy), name_layers, and ``import splitgrad as te`` as a drop-in."""
 import copy
 import inspect
 import math
+import threading
 
 import pytest
 import torch
@@ -219,3 +220,56 @@ def test_pending_counts_and_layer_names():
     assert b.pending_wgrads() == 1
     splitgrad.backward_dw_all()
     assert splitgrad.pending_wgrads() == 0
+
+
+def test_backward_dw_all_of_one_model_runs_only_its_work():
+    def model():
+        return torch.nn.Sequential(splitgrad.Linear(4, 4, device="cpu", delay_wgrad_compute=True),
+                                   splitgrad.Linear(4, 4, device="cpu", delay_wgrad_compute=True))
+
+    a, b = model(), model()
+    reference = copy.deepcopy(a)
+    x = torch.randn(3, 4)
+    for m in (a, b, reference):
+        m(x).sum().backward()
+    splitgrad.backward_dw_all(a.parameters())
+    assert [layer.pending_wgrads() for m in (a, b, reference) for layer in m] == [0, 0, 1, 1, 1, 1]
+    assert all(p.grad is None for p in b.parameters())
+    splitgrad.backward_dw_all([])  # no parameters: nothing feeds them, nothing runs
+    assert splitgrad.pending_wgrads() == 4
+    for layer in reference:
+        layer.backward_dw()
+    for p, q in zip(a.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    splitgrad.backward_dw_all(b.parameters())
+    assert splitgrad.pending_wgrads() == 0
+
+
+def test_two_threads_each_run_their_own_models_work():
+    models = [torch.nn.Sequential(splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True),
+                                  splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True)) for _ in range(2)]
+    references = [copy.deepcopy(m) for m in models]
+    inputs = [[torch.randn(5, 8) for _ in range(20)] for _ in range(2)]
+    errors = []
+
+    def train(i):
+        try:
+            for x in inputs[i]:
+                models[i](x).square().sum().backward()
+                splitgrad.backward_dw_all(models[i].parameters())
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        for x in inputs[i]:
+            references[i](x).square().sum().backward()
+            for layer in references[i]:
+                layer.backward_dw()
+        for p, q in zip(models[i].parameters(), references[i].parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
