@@ -31,6 +31,10 @@ using GradReadyHook = std::function<void(const at::Tensor& param)>;
 /// A tensor held without keeping it alive.
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
+/// A weak reference to `t` (to nothing when `t` is undefined); lock() gives the tensor back, or an
+/// undefined one once it is freed. Holding it keeps the address from being reused.
+inline WeakTensor weak_ref(const at::Tensor& t) { return WeakTensor(t.getIntrusivePtr()); }
+
 class GradLedger {
  public:
   static GradLedger& instance();

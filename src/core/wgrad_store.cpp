@@ -8,11 +8,21 @@
 namespace splitgrad::core {
 
 std::vector<at::Tensor> DeferredWgrad::targets() const {
-  // A frozen weight (requires_grad=False) with a trainable bias leaves `weight` undefined.
+  // A frozen weight (requires_grad=False) with a trainable bias leaves `weight` empty.
   std::vector<at::Tensor> out;
-  if (weight.defined()) out.push_back(weight);
-  if (bias.defined()) out.push_back(bias);
+  for (const WeakTensor* target : {&weight, &bias}) {
+    at::Tensor param(target->lock());
+    if (param.defined()) out.push_back(std::move(param));
+  }
   return out;
+}
+
+bool DeferredWgrad::feeds(const at::Tensor& param) const {
+  if (!param.defined()) return false;
+  // The weak references keep a freed parameter's address from being reused, so an address
+  // match is the parameter itself, live.
+  const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
+  return weight._unsafe_get_target() == impl || bias._unsafe_get_target() == impl;
 }
 
 WgradStore& WgradStore::instance() {
@@ -142,12 +152,8 @@ std::vector<DeferredWgrad> WgradStore::take_all() {
 
 bool WgradStore::feeds(const DeferredWgrad& item, const std::vector<at::Tensor>& params) {
   if (params.empty()) return true;
-  for (const auto& target : item.targets()) {
-    for (const auto& p : params) {
-      if (p.defined() && p.unsafeGetTensorImpl() == target.unsafeGetTensorImpl()) return true;
-    }
-  }
-  return false;
+  return std::any_of(params.begin(), params.end(),
+                     [&](const at::Tensor& p) { return item.feeds(p); });
 }
 
 std::vector<DeferredWgrad> WgradStore::take_feeding(const std::vector<at::Tensor>& params) {

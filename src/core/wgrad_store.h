@@ -32,8 +32,12 @@ struct DeferredWgrad {
   at::Tensor grad_output;            ///< dy, [tokens, out_features]
   uint32_t input_version = 0;        ///< x's version counter when stashed
   uint32_t grad_output_version = 0;  ///< dy's version counter when stashed
-  at::Tensor weight;                 ///< the weight parameter the gradient belongs to
-  at::Tensor bias;  ///< the bias parameter, or undefined when there is no bias gradient
+  /// The parameters the gradient belongs to (the bias: none when there is no bias gradient),
+  /// held weakly: the queue must not keep a model alive (a hook on its parameter may refer to the
+  /// model, a cycle the garbage collector cannot see through C++). A parameter freed before its
+  /// item runs needs no gradient.
+  WeakTensor weight = weak_ref(at::Tensor());
+  WeakTensor bias = weak_ref(at::Tensor());
   at::Tensor
       weight_main_grad;       ///< fp32 accumulation buffer (fuse_wgrad_accumulation), or undefined
   at::Tensor bias_main_grad;  ///< likewise for the bias
@@ -41,8 +45,10 @@ struct DeferredWgrad {
   /// on it. Work run on another stream must keep them from the allocator until it has read them.
   c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
 
-  /// The parameters this item contributes to (weight if it trains, then bias if any).
+  /// The live parameters this item contributes to (weight if it trains, then bias if any).
   std::vector<at::Tensor> targets() const;
+  /// Whether it contributes to `param` (compared by identity; a freed parameter is no match).
+  bool feeds(const at::Tensor& param) const;
 };
 
 class WgradStore {

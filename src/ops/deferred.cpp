@@ -16,6 +16,7 @@
 #include <exception>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -222,9 +223,10 @@ std::string stale_reason(const DeferredWgrad& item) {
   return reason;
 }
 
-// The deferred work taken off the store and not yet landed, by the call that runs it, so that
-// backward_dw_all() in one thread can wait for work another thread took before it. Leaked (see
-// main_grad_callback).
+// The deferred work taken off the store and not yet landed, by the call that runs it. Other
+// threads see it: backward_dw_all() waits for batches feeding its parameters, a layer's
+// backward_dw() waits for its layer's work another thread took, and the pending counts include
+// it, so no guard passes on gradients still being computed. Leaked (see main_grad_callback).
 class InFlight {
  public:
   static InFlight& instance() {
@@ -232,28 +234,72 @@ class InFlight {
     return *state;
   }
 
+  // What a call that found nothing of its own to run waits for: other threads' batches holding
+  // work of `layer` (of `pass` too, when set).
+  struct LayerWork {
+    core::LayerId layer = 0;
+    std::optional<core::PassId> pass;
+  };
+
   // Takes items with `take` and registers them as one batch of this thread, atomically (no
-  // waiter can miss them between the two). Returns the batch id (0: nothing taken).
+  // waiter can miss them between the two). When `take` finds nothing and `work` names a layer,
+  // fills `others` with the batches of other threads holding that work, in the same critical
+  // section (so work that lands meanwhile is not mistaken for work never queued). Returns the
+  // batch id (0: nothing taken).
   template <class Take>
-  uint64_t take(Take&& take, std::vector<DeferredWgrad>& items) {
+  uint64_t take(Take&& take, std::vector<DeferredWgrad>& items, LayerWork work = {},
+                std::vector<uint64_t>* others = nullptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     items = take();
-    if (items.empty()) return 0;
-    Batch batch{std::this_thread::get_id(), {}};
-    for (const auto& item : items) {
-      for (const auto& target : item.targets())
-        batch.targets.push_back(target.unsafeGetTensorImpl());
+    if (items.empty()) {
+      if (others != nullptr) *others = others_locked(work);
+      return 0;
     }
+    Batch batch{std::this_thread::get_id(), {}};
+    batch.entries.reserve(items.size());
+    for (const auto& item : items) {
+      Entry entry{item.layer, item.pass, {}, false};
+      for (const auto* target : {&item.weight, &item.bias})
+        entry.targets.push_back(target->_unsafe_get_target());
+      batch.entries.push_back(std::move(entry));
+    }
+    in_flight_ += items.size();
     const uint64_t id = next_batch_++;
     batches_.emplace(id, std::move(batch));
     return id;
+  }
+
+  // Item `index` of `batch` has landed (or went back to the store, or was dropped): it no longer
+  // counts as pending.
+  void settled(uint64_t batch, size_t index) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = batches_.find(batch);
+    if (it == batches_.end() || index >= it->second.entries.size()) return;
+    settle_locked(it->second.entries[index]);
+  }
+
+  // Puts items of `batch` back on the store (`indices`: their places in the batch), atomically
+  // with their leaving the batch.
+  void restore(uint64_t batch, const std::vector<size_t>& indices,
+               std::vector<DeferredWgrad> items) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = batches_.find(batch);
+    if (it != batches_.end()) {
+      for (size_t index : indices) {
+        if (index < it->second.entries.size()) settle_locked(it->second.entries[index]);
+      }
+    }
+    WgradStore::instance().restore(std::move(items));
   }
 
   void finish(uint64_t batch) {
     if (batch == 0) return;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      batches_.erase(batch);
+      auto it = batches_.find(batch);
+      if (it == batches_.end()) return;
+      for (auto& entry : it->second.entries) settle_locked(entry);
+      batches_.erase(it);
     }
     landed_.notify_all();
   }
@@ -266,8 +312,14 @@ class InFlight {
       if (batch.thread == std::this_thread::get_id()) continue;  // ours: waiting would deadlock
       bool feeds = params.empty();
       for (size_t i = 0; !feeds && i < params.size(); ++i) {
-        feeds = std::find(batch.targets.begin(), batch.targets.end(),
-                          params[i].unsafeGetTensorImpl()) != batch.targets.end();
+        const c10::TensorImpl* param = params[i].unsafeGetTensorImpl();
+        for (const auto& entry : batch.entries) {
+          if (std::find(entry.targets.begin(), entry.targets.end(), param) !=
+              entry.targets.end()) {
+            feeds = true;
+            break;
+          }
+        }
       }
       if (feeds) out.push_back(id);
     }
@@ -281,14 +333,85 @@ class InFlight {
     });
   }
 
+  // Items queued or in flight, in all layers or in one. Read under this class's mutex, which
+  // every take holds, so an item moving from the store to a batch is counted exactly once.
+  size_t pending() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return WgradStore::instance().pending() + in_flight_;
+  }
+  size_t pending(core::LayerId layer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    size_t count = WgradStore::instance().pending(layer);
+    for (const auto& [id, batch] : batches_) {
+      for (const auto& entry : batch.entries) count += !entry.settled && entry.layer == layer;
+    }
+    return count;
+  }
+
+  // Layers with work queued or in flight (feeding one of `params`, when non-empty), in
+  // registration order.
+  std::vector<core::LayerId> layers_with_pending(const std::vector<at::Tensor>& params) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::vector<core::LayerId> layers = WgradStore::instance().layers_with_pending(params);
+    for (const auto& [id, batch] : batches_) {
+      for (const auto& entry : batch.entries) {
+        if (entry.settled || !feeds(entry, params)) continue;
+        if (std::find(layers.begin(), layers.end(), entry.layer) == layers.end())
+          layers.push_back(entry.layer);
+      }
+    }
+    std::sort(layers.begin(), layers.end());  // ids are issued in registration order
+    return layers;
+  }
+
  private:
+  struct Entry {
+    core::LayerId layer;
+    core::PassId pass;
+    std::vector<const c10::TensorImpl*> targets;
+    bool settled;
+  };
   struct Batch {
     std::thread::id thread;
-    std::vector<const c10::TensorImpl*> targets;
+    std::vector<Entry> entries;
   };
+
+  void settle_locked(Entry& entry) {
+    if (entry.settled) return;
+    entry.settled = true;
+    in_flight_ -= 1;
+  }
+
+  static bool feeds(const Entry& entry, const std::vector<at::Tensor>& params) {
+    if (params.empty()) return true;
+    for (const auto& param : params) {
+      if (std::find(entry.targets.begin(), entry.targets.end(), param.unsafeGetTensorImpl()) !=
+          entry.targets.end())
+        return true;
+    }
+    return false;
+  }
+
+  std::vector<uint64_t> others_locked(LayerWork work) const {
+    std::vector<uint64_t> out;
+    if (work.layer == 0) return out;
+    for (const auto& [id, batch] : batches_) {
+      if (batch.thread == std::this_thread::get_id()) continue;
+      for (const auto& entry : batch.entries) {
+        if (!entry.settled && entry.layer == work.layer &&
+            (!work.pass || entry.pass == *work.pass)) {
+          out.push_back(id);
+          break;
+        }
+      }
+    }
+    return out;
+  }
+
   std::mutex mutex_;
   std::condition_variable landed_;
   uint64_t next_batch_ = 1;
+  size_t in_flight_ = 0;  // entries of all batches not yet settled
   std::map<uint64_t, Batch> batches_;
 };
 
@@ -317,44 +440,61 @@ void drop(const DeferredWgrad& item) {
     GradLedger::instance().deferred_dropped(target, item.pass);
 }
 
-// Runs items in order. Items whose stashed tensors changed are dropped and reported; then nothing
-// runs and the others go back on the queue, so one call either runs everything or nothing.
-void run(std::vector<DeferredWgrad> items) {
-  auto& store = WgradStore::instance();
+// Runs the items of `batch` in order. Items whose stashed tensors changed are dropped and
+// reported; then nothing runs and the others go back on the queue, so one call either runs
+// everything or nothing.
+void run(std::vector<DeferredWgrad> items, uint64_t batch) {
+  auto& in_flight = InFlight::instance();
   std::string error;
   std::vector<DeferredWgrad> runnable;
+  std::vector<size_t> index;  // runnable[i] is item index[i] of the batch
   runnable.reserve(items.size());
-  for (auto& item : items) {
-    std::string reason = stale_reason(item);
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::string reason = stale_reason(items[i]);
     if (reason.empty()) {
-      runnable.push_back(std::move(item));
+      runnable.push_back(std::move(items[i]));
+      index.push_back(i);
     } else {
-      drop(item);
+      drop(items[i]);
+      in_flight.settled(batch, i);
       if (error.empty()) error = std::move(reason);
     }
   }
+  // Puts the items after runnable[i] back on the queue: no gradient is lost.
+  auto restore_after = [&](size_t i) {
+    in_flight.restore(
+        batch, std::vector<size_t>(index.begin() + i + 1, index.end()),
+        std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
+                                   std::make_move_iterator(runnable.end())));
+  };
   if (!error.empty()) {
-    store.restore(std::move(runnable));
+    in_flight.restore(batch, index, std::move(runnable));
     items.clear();  // free the dropped items' tensors now, not while the exception unwinds
     TORCH_CHECK(false, error);
   }
   for (size_t i = 0; i < runnable.size(); ++i) {
     DeferredWgrad& item = runnable[i];
     try {
-      detail::accumulate_wgrad(
-          item.grad_output, item.input,
-          {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
+      // Parameters freed since the item was queued get nothing (their main_grad neither).
+      const at::Tensor weight(item.weight.lock()), bias(item.bias.lock());
+      if (weight.defined() || bias.defined()) {
+        detail::accumulate_wgrad(
+            item.grad_output, item.input,
+            {weight, bias, weight.defined() ? item.weight_main_grad : at::Tensor(),
+             bias.defined() ? item.bias_main_grad : at::Tensor()});
+      }
     } catch (...) {
       keep_until_read(item);  // some of its kernels may have been enqueued
       drop(item);
-      store.restore(std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
-                                               std::make_move_iterator(runnable.end())));
+      in_flight.settled(batch, index[i]);
+      restore_after(i);
       throw;
     }
     keep_until_read(item);
     const core::PassId pass = item.pass;
     const std::vector<at::Tensor> targets = item.targets();
     item = DeferredWgrad{};  // free the stashed activations before the hooks run
+    in_flight.settled(batch, index[i]);  // landed: hooks see it no longer pending
     std::exception_ptr hook_error;
     for (const auto& target : targets) {
       try {
@@ -363,9 +503,8 @@ void run(std::vector<DeferredWgrad> items) {
         if (!hook_error) hook_error = std::current_exception();
       }
     }
-    if (hook_error) {  // the items not run yet stay queued: no gradient is lost
-      store.restore(std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
-                                               std::make_move_iterator(runnable.end())));
+    if (hook_error) {  // the items not run yet stay queued
+      restore_after(i);
       std::rethrow_exception(hook_error);
     }
   }
@@ -399,18 +538,26 @@ void LayerHandle::set_name(std::string name) {
   WgradStore::instance().rename_layer(id_, std::move(name));
 }
 int64_t LayerHandle::pending() const {
-  return static_cast<int64_t>(WgradStore::instance().pending(id_));
+  return static_cast<int64_t>(InFlight::instance().pending(id_));
 }
 
 void LayerHandle::backward_dw() {
   std::vector<DeferredWgrad> items;
+  std::vector<uint64_t> others;
   BatchScope batch{InFlight::instance().take(
-      [&] { return WgradStore::instance().take_oldest_pass(id_); }, items)};
+      [&] { return WgradStore::instance().take_oldest_pass(id_); }, items, {id_, std::nullopt},
+      &others)};
+  if (items.empty() && !others.empty()) {
+    // Another thread (a backward_dw_all()) took this layer's oldest work: it lands before we
+    // return, as if we had run it.
+    InFlight::instance().wait_for(others);
+    return;
+  }
   TORCH_CHECK(!items.empty(), detail::layer_label(id_),
               ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
               "this layer (run a backward pass through it first, or check that it was built with "
               "delay_wgrad_compute=True)");
-  run(std::move(items));
+  run(std::move(items), batch.id);
 }
 
 std::vector<int64_t> LayerHandle::pending_passes() const {
@@ -419,13 +566,18 @@ std::vector<int64_t> LayerHandle::pending_passes() const {
 
 void LayerHandle::backward_dw(int64_t pass) {
   std::vector<DeferredWgrad> items;
+  std::vector<uint64_t> others;
   BatchScope batch{InFlight::instance().take(
-      [&] { return WgradStore::instance().take_pass(id_, pass); }, items)};
+      [&] { return WgradStore::instance().take_pass(id_, pass); }, items, {id_, pass}, &others)};
+  if (items.empty() && !others.empty()) {
+    InFlight::instance().wait_for(others);  // another thread is running that pass's work
+    return;
+  }
   TORCH_CHECK(!items.empty(), detail::layer_label(id_), ": backward_dw(pass=", pass,
               ") was called but that backward pass has no deferred wgrad work queued for this "
               "layer (passes pending: ",
               c10::Join(", ", pending_passes()), ")");
-  run(std::move(items));
+  run(std::move(items), batch.id);
 }
 
 void backward_dw_all() { backward_dw_all({}); }
@@ -439,14 +591,14 @@ void backward_dw_all(const std::vector<at::Tensor>& params) {
       BatchScope batch{InFlight::instance().take(
           [&] { return WgradStore::instance().take_feeding(params); }, items)};
       others = InFlight::instance().others(params);
-      if (!items.empty()) run(std::move(items));
+      if (!items.empty()) run(std::move(items), batch.id);
     }
     if (others.empty()) return;
     InFlight::instance().wait_for(others);
   }
 }
 
-int64_t pending_wgrads() { return static_cast<int64_t>(WgradStore::instance().pending()); }
+int64_t pending_wgrads() { return static_cast<int64_t>(InFlight::instance().pending()); }
 
 int64_t pending_wgrads_for(const at::Tensor& param) {
   TORCH_CHECK_VALUE(param.defined(),
@@ -462,7 +614,7 @@ int64_t dropped_wgrads_for(const at::Tensor& param) {
 
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params) {
   std::vector<std::string> names;
-  for (auto layer : WgradStore::instance().layers_with_pending(params)) {
+  for (auto layer : InFlight::instance().layers_with_pending(params)) {
     names.push_back(WgradStore::instance().layer_name(layer));
   }
   return names;
@@ -476,7 +628,7 @@ void set_pending_work_policy(PendingWorkPolicy policy) { pending_policy = policy
 PendingWorkPolicy pending_work_policy() { return pending_policy; }
 
 void check_pending_wgrads(const std::string& action, const std::vector<at::Tensor>& params) {
-  if (WgradStore::instance().pending() == 0) return;
+  if (InFlight::instance().pending() == 0) return;
   const std::vector<std::string> layers = layers_with_pending_wgrads(params);
   if (layers.empty()) return;
   std::string names;

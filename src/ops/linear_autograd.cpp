@@ -183,8 +183,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     item.grad_output = grad_output;
     item.input_version = input._version();
     item.grad_output_version = grad_output._version();
-    item.weight = sinks.weight;
-    item.bias = sinks.bias;
+    item.weight = core::weak_ref(sinks.weight);
+    item.bias = core::weak_ref(sinks.bias);
     item.weight_main_grad = sinks.weight_main_grad;
     item.bias_main_grad = sinks.bias_main_grad;
     item.stream = current_stream_of(input);

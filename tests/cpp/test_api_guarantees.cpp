@@ -115,6 +115,56 @@ TEST_F(ApiTest, BackwardDwAllWaitsForWorkAnotherThreadTook) {
   EXPECT_TRUE(torch::equal(b->weight.grad(), wb.grad()));
 }
 
+// Thread T's backward_dw_all() holds a's item while stuck in b's hook. Meanwhile, in the main
+// thread: that item still counts as pending (so guards do not pass on an incomplete gradient),
+// and a's own backward_dw() waits for it to land instead of saying nothing was queued.
+TEST_F(ApiTest, WorkAnotherThreadTookCountsAsPendingAndALayersBackwardDwWaitsForIt) {
+  Linear a(opts(8, 8).delay_wgrad_compute(true).name("a"));
+  Linear b(opts(8, 8).delay_wgrad_compute(true).name("b"));
+  torch::Tensor wa = ref_param(a->weight), wb = ref_param(b->weight);
+  torch::Tensor ba = ref_param(a->bias), bb = ref_param(b->bias);
+  torch::Tensor x = torch::randn({4, 8});
+  b(a(x)).sum().backward();  // queues b's item, then a's
+  F::linear(F::linear(x, wa, ba), wb, bb).sum().backward();
+
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> first{true};
+  auto handle = splitgrad::register_grad_ready_hook(b->weight, [&](const at::Tensor&) {
+    if (!first.exchange(false)) return;
+    entered.set_value();
+    released.wait();
+  });
+  std::thread other([] { splitgrad::backward_dw_all(); });
+  entered.get_future().wait();  // `other` has landed b's item and holds a's, not yet run
+  EXPECT_EQ(splitgrad::pending_wgrads(), 1);
+  EXPECT_EQ(a->pending_wgrads(), 1);
+  EXPECT_EQ(b->pending_wgrads(), 0);
+  EXPECT_EQ(splitgrad::layers_with_pending_wgrads({a->weight}),
+            std::vector<std::string>{"a"});
+  EXPECT_EQ(splitgrad::layers_with_pending_wgrads({b->weight}), std::vector<std::string>{});
+  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
+  const std::string guard = error_message([&] { splitgrad::check_pending_wgrads("step()"); });
+  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kWarn);
+  EXPECT_CONTAINS(guard, "'a'");
+
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    release.set_value();
+  });
+  EXPECT_NO_THROW(a->backward_dw()) << "a's own backward_dw() saw nothing while T ran a's item";
+  EXPECT_EQ(splitgrad::pending_wgrads_for(a->weight), 0)
+      << "a's backward_dw() returned while its work was still running in another thread";
+  ASSERT_TRUE(a->weight.grad().defined());
+  EXPECT_TRUE(torch::equal(a->weight.grad(), wa.grad()));
+  EXPECT_TRUE(torch::equal(a->bias.grad(), ba.grad()));
+  releaser.join();
+  other.join();
+  handle.remove();
+  EXPECT_TRUE(torch::equal(b->weight.grad(), wb.grad()));
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+}
+
 // Two threads, each training a model of its own (delayed, tied layers) next to plain autograd:
 // every step's gradients equal autograd's (to float32 reassociation), whether each thread calls the
 // process-wide backward_dw_all() or the one over its own model's parameters.

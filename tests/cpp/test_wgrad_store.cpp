@@ -45,8 +45,8 @@ class WgradStoreTest : public ::testing::Test {
     w.pass = pass;
     w.input = torch::full({1, 1}, static_cast<double>(tag));
     w.grad_output = torch::zeros({1, 1});
-    w.weight = weight;
-    w.bias = bias;
+    w.weight = splitgrad::core::weak_ref(weight);
+    w.bias = splitgrad::core::weak_ref(bias);
     return w;
   }
 

@@ -418,6 +418,43 @@ def test_models_with_a_grad_reducer_are_freed(tmp_path):
         dist.destroy_process_group()
 
 
+def test_models_dropped_with_pending_work_are_freed(tmp_path):
+    # The queue holds its parameters weakly: a hook or GradReducer referring to the model does not
+    # keep it alive through the queued item; its work is dropped with a warning naming the layer.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        def make(with_reducer):
+            model = nn.Sequential(layer(True, name="dropped_fc"), nn.Linear(D, D))
+            if with_reducer:
+                model.reducer = splitgrad.distributed.GradReducer(model)
+            for p in model.parameters():
+                splitgrad.register_grad_ready_hook(p, lambda p, model=model: model.training)
+            model(torch.randn(2, D)).sum().backward()
+            assert splitgrad.pending_wgrads() == 1
+            return weakref.ref(model)
+
+        for with_reducer in (False, True, False):
+            with pytest.warns(splitgrad.PendingWgradWarning, match="'dropped_fc' was deleted with 1 deferred"):
+                assert _is_freed(lambda: make(with_reducer))
+            assert splitgrad.pending_wgrads() == 0
+    finally:
+        dist.destroy_process_group()
+
+
+def test_pending_work_of_a_freed_tied_parameter_is_skipped():
+    # Layer b uses a's weight; a (the owner) and the weight are freed before b's work runs: b's
+    # work still lands on b's bias, and the freed weight needs no gradient.
+    a, b = layer(True), layer(True)
+    b.weight = a.weight
+    b(torch.randn(2, D)).sum().backward()
+    del a
+    b.weight = nn.Parameter(torch.zeros(D, D))
+    gc.collect()
+    b.backward_dw()
+    assert b.weight.grad is None
+    torch.testing.assert_close(b.bias.grad, torch.full((D,), 2.0), rtol=0, atol=0)
+
+
 def test_hook_handles_remove_and_copies_carry_no_hooks():
     model = layer(False)
     fired = []
