@@ -8,7 +8,10 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import nn
+from torch._C._functorch import TransformType, peek_interpreter_stack
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
 from . import _C
 from ._deferred import check_no_pending, register_grad_ready_hook
@@ -44,6 +47,16 @@ def _exporting() -> bool:
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
+def _differentiated_functionally() -> bool:
+    """Whether gradients are taken by a torch.func transform (grad, vjp, jacrev, jvp, jacfwd) or by
+    forward-mode AD: PyTorch runs no C++ autograd Function there, and no ``.grad`` is written, so
+    there is nothing to defer or fuse."""
+    if forward_ad._current_level >= 0:
+        return True
+    if peek_interpreter_stack() is None:  # no transform: the common case, one cheap call
+        return False
+    return any(i.key() in (TransformType.Grad, TransformType.Jvp)
+               for i in retrieve_all_functorch_interpreters())
 
 
 @torch.compiler.disable(
@@ -172,13 +185,22 @@ class Linear(nn.Module):
         # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
         bias = None if self.return_bias else self.bias
         weight_main_grad = bias_main_grad = None
-        if self.fuse_wgrad_accumulation and not _exporting():  # export records an unfused call
+        exporting = _exporting()
+        # Dynamo handles torch.func transforms of compiled code itself.
+        functional = not exporting and not torch.compiler.is_compiling() and _differentiated_functionally()
+        # export records an unfused call; functional gradients are returned, not accumulated
+        if self.fuse_wgrad_accumulation and not exporting and not functional:
             weight_main_grad = self._main_grad_of(self.weight, "weight")
             if bias is not None:
                 bias_main_grad = self._main_grad_of(bias, "bias", required=False)
         try:
-            if _exporting():
+            if exporting:
                 out = self._regular_unregistered(inp, bias)
+            elif functional:  # nn.Linear's own differentiable op
+                # Autocast casts a floating input to its dtype before the product.
+                cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
+                _C.check_linear_args(self._layer_id, inp, self.weight, bias, inp.dtype if cast else None)
+                out = nn.functional.linear(inp, self.weight, bias)
             elif (self.delay_wgrad_compute or self.fuse_wgrad_accumulation) and torch.compiler.is_compiling():
                 out = _linear_outside_graph(
                     inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,

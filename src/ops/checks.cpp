@@ -5,12 +5,18 @@
 namespace splitgrad::detail {
 
 at::Tensor flatten_tokens(const at::Tensor& t) {
-  return t.dim() == 2 ? t : t.reshape({-1, t.size(-1)});
+  return t.dim() == 2 ? t : t.reshape_symint({c10::SymInt(-1), t.sym_size(-1)});
 }
 
 std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last) {
   std::vector<int64_t> out(sizes.begin(), sizes.end());
   out.back() = last;
+  return out;
+}
+
+std::vector<c10::SymInt> with_last_dim(c10::SymIntArrayRef sizes, c10::SymInt last) {
+  std::vector<c10::SymInt> out(sizes.begin(), sizes.end());
+  out.back() = std::move(last);
   return out;
 }
 
@@ -55,11 +61,11 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
                        const std::optional<at::Tensor>& bias,
                        std::optional<at::ScalarType> compute_dtype) {
   TORCH_CHECK_VALUE(weight.dim() == 2, who(), ": expected a weight of shape [out_features, ",
-                    "in_features], got shape ", weight.sizes());
-  const int64_t in_features = weight.size(1);
-  TORCH_CHECK_VALUE(input.dim() >= 1 && input.size(-1) == in_features, who(),
+                    "in_features], got shape ", weight.sym_sizes());
+  const c10::SymInt in_features = weight.sym_size(1);
+  TORCH_CHECK_VALUE(input.dim() >= 1 && input.sym_size(-1) == in_features, who(),
                     ": expected input of shape [*, ", in_features, "] (in_features = ", in_features,
-                    "), got shape ", input.sizes());
+                    "), got shape ", input.sym_sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(weight.scalar_type()), who(),
                    ": expected a floating-point weight, got ", dtype_name(weight.scalar_type()));
   const at::ScalarType input_dtype = compute_dtype.value_or(weight.scalar_type());
@@ -70,9 +76,9 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
   TORCH_CHECK(input.device() == weight.device(), who(), ": expected input on ", weight.device(),
               " (the weight's device), got ", input.device());
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), who(),
-                      ": expected a bias of shape [", weight.size(0), "], got shape ",
-                      bias->sizes());
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), who(),
+                      ": expected a bias of shape [", weight.sym_size(0), "], got shape ",
+                      bias->sym_sizes());
     TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), who(),
                      ": expected a bias of dtype ", dtype_name(weight.scalar_type()),
                      " (the weight's dtype), got ", dtype_name(bias->scalar_type()));
@@ -84,11 +90,12 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input) {
   TORCH_CHECK_VALUE(grad_output.dim() >= 1 && input.dim() == grad_output.dim(), who(),
                     ": expected grad_output [*, out_features] and input [*, in_features] with the ",
-                    "same leading dims, got shapes ", grad_output.sizes(), " and ", input.sizes());
-  TORCH_CHECK_VALUE(grad_output.sizes().slice(0, grad_output.dim() - 1) ==
-                        input.sizes().slice(0, input.dim() - 1),
-                    who(), ": grad_output ", grad_output.sizes(), " and input ", input.sizes(),
-                    " differ in their leading dims");
+                    "same leading dims, got shapes ", grad_output.sym_sizes(), " and ",
+                    input.sym_sizes());
+  TORCH_CHECK_VALUE(grad_output.sym_sizes().slice(0, grad_output.dim() - 1) ==
+                        input.sym_sizes().slice(0, input.dim() - 1),
+                    who(), ": grad_output ", grad_output.sym_sizes(), " and input ",
+                    input.sym_sizes(), " differ in their leading dims");
   TORCH_CHECK_TYPE(grad_output.scalar_type() == input.scalar_type(), who(),
                    ": expected grad_output of dtype ", dtype_name(input.scalar_type()),
                    " (the input's), got ", dtype_name(grad_output.scalar_type()));
@@ -98,9 +105,9 @@ void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& 
 
 void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& weight) {
   TORCH_CHECK_VALUE(
-      weight.dim() == 2 && grad_output.dim() >= 1 && grad_output.size(-1) == weight.size(0), who(),
-      ": expected grad_output of shape [*, ", weight.size(0), "] for a weight of shape ",
-      weight.sizes(), ", got ", grad_output.sizes());
+      weight.dim() == 2 && grad_output.dim() >= 1 && grad_output.sym_size(-1) == weight.sym_size(0),
+      who(), ": expected grad_output of shape [*, ", weight.sym_size(0), "] for a weight of shape ",
+      weight.sym_sizes(), ", got ", grad_output.sym_sizes());
   TORCH_CHECK_TYPE(grad_output.scalar_type() == weight.scalar_type(), who(),
                    ": expected grad_output of dtype ", dtype_name(weight.scalar_type()),
                    " (the weight's), got ", dtype_name(grad_output.scalar_type()));
@@ -110,12 +117,13 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
                                  const std::optional<at::Tensor>& weight_grad,
                                  const std::optional<at::Tensor>& bias_grad) {
   check_wgrad_args(who, grad_output, input);
-  const int64_t out = grad_output.size(-1);
-  const int64_t in = input.size(-1);
+  const c10::SymInt out = grad_output.sym_size(-1);
+  const c10::SymInt in = input.sym_size(-1);
   if (weight_grad.has_value() && weight_grad->defined()) {
-    TORCH_CHECK_VALUE(
-        weight_grad->dim() == 2 && weight_grad->size(0) == out && weight_grad->size(1) == in, who(),
-        ": expected weight_grad of shape [", out, ", ", in, "], got ", weight_grad->sizes());
+    TORCH_CHECK_VALUE(weight_grad->dim() == 2 && weight_grad->sym_size(0) == out &&
+                          weight_grad->sym_size(1) == in,
+                      who(), ": expected weight_grad of shape [", out, ", ", in, "], got ",
+                      weight_grad->sym_sizes());
     TORCH_CHECK_TYPE(at::isFloatingType(weight_grad->scalar_type()), who(),
                      ": expected a floating-point weight_grad, got ",
                      dtype_name(weight_grad->scalar_type()));
@@ -123,8 +131,8 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
                 weight_grad->device(), " but input on ", input.device());
   }
   if (bias_grad.has_value() && bias_grad->defined()) {
-    TORCH_CHECK_VALUE(bias_grad->dim() == 1 && bias_grad->size(0) == out, who(),
-                      ": expected bias_grad of shape [", out, "], got ", bias_grad->sizes());
+    TORCH_CHECK_VALUE(bias_grad->dim() == 1 && bias_grad->sym_size(0) == out, who(),
+                      ": expected bias_grad of shape [", out, "], got ", bias_grad->sym_sizes());
     TORCH_CHECK(bias_grad->device() == input.device(), who(), ": bias_grad on ",
                 bias_grad->device(), " but input on ", input.device());
   }
@@ -133,10 +141,10 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
 void check_main_grad(Who who, const std::string& param_name, const at::Tensor& main_grad,
                      const at::Tensor& param) {
   TORCH_CHECK_VALUE(main_grad.defined(), who(), ": fuse_wgrad_accumulation=True needs ", param_name,
-                    ".main_grad, an fp32 tensor of shape ", param.sizes(), "; it is not set");
-  TORCH_CHECK_VALUE(main_grad.sizes() == param.sizes(), who(), ": expected ", param_name,
-                    ".main_grad of shape ", param.sizes(), " (the parameter's), got ",
-                    main_grad.sizes());
+                    ".main_grad, an fp32 tensor of shape ", param.sym_sizes(), "; it is not set");
+  TORCH_CHECK_VALUE(main_grad.sym_sizes() == param.sym_sizes(), who(), ": expected ", param_name,
+                    ".main_grad of shape ", param.sym_sizes(), " (the parameter's), got ",
+                    main_grad.sym_sizes());
   TORCH_CHECK_VALUE(main_grad.scalar_type() == at::kFloat, who(), ": expected ", param_name,
                     ".main_grad of dtype torch.float32, got ", dtype_name(main_grad.scalar_type()));
   TORCH_CHECK_VALUE(main_grad.device() == param.device(), who(), ": expected ", param_name,

@@ -24,9 +24,15 @@ at::Tensor flatten_tokens(const at::Tensor& t);
 
 /// `sizes` with its last entry replaced: the output shape of a linear map over [*, features].
 std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last);
+/// The same for symbolic sizes (fake kernels traced with dynamic shapes).
+std::vector<c10::SymInt> with_last_dim(c10::SymIntArrayRef sizes, c10::SymInt last);
 
 /// "torch.bfloat16" for BFloat16, "torch.int64" for Long: as Python prints dtypes.
 std::string dtype_name(at::ScalarType type);
+
+// The checks read sizes as SymInts, so that fake kernels traced with dynamic shapes (torch.export
+// with Dim, compile(dynamic=True)) guard on the relations they check instead of specialising the
+// traced sizes.
 
 /// input [*, in_features] and weight [out, in] (and bias [out]) of one floating dtype, one device;
 /// under autocast the input is in autocast's `compute_dtype` instead of the weight's.

@@ -1,5 +1,6 @@
 // Fake (meta) kernels: shapes and dtypes only, so FakeTensor, torch.compile and opcheck can trace
-// the ops without running them. They check arguments as the real kernels do.
+// the ops without running them. They check arguments as the real kernels do, and keep sizes
+// symbolic (dynamic shapes).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -11,21 +12,22 @@ namespace {
 at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   detail::check_linear_args(detail::named("splitgrad::linear_fprop"), input, weight, bias);
-  return at::empty(detail::with_last_dim(input.sizes(), weight.size(0)), input.options());
+  return at::empty_symint(detail::with_last_dim(input.sym_sizes(), weight.sym_size(0)),
+                          input.options());
 }
 
 at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight) {
   detail::check_dgrad_args(detail::named("splitgrad::linear_dgrad"), grad_output, weight);
-  return at::empty(detail::with_last_dim(grad_output.sizes(), weight.size(1)),
-                   grad_output.options());
+  return at::empty_symint(detail::with_last_dim(grad_output.sym_sizes(), weight.sym_size(1)),
+                          grad_output.options());
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
                                                 const at::Tensor& input, bool compute_bias_grad) {
   detail::check_wgrad_args(detail::named("splitgrad::linear_wgrad"), grad_output, input);
-  const int64_t out = grad_output.size(-1);
-  return {at::empty({out, input.size(-1)}, input.options()),
-          at::empty({compute_bias_grad ? out : 0}, input.options())};
+  const c10::SymInt out = grad_output.sym_size(-1);
+  return {at::empty_symint({out, input.sym_size(-1)}, input.options()),
+          at::empty_symint({compute_bias_grad ? out : c10::SymInt(0)}, input.options())};
 }
 
 void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,

@@ -3,6 +3,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
+#include "ops/checks.h"
+#include "ops/deferred_internal.h"
 #include "splitgrad/deferred.h"
 
 namespace py = pybind11;
@@ -121,6 +123,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("param"), "Deferred contributions to param dropped so far.");
   m.def("layers_with_pending_wgrads", &splitgrad::layers_with_pending_wgrads,
         py::arg("params") = std::vector<at::Tensor>{});
+  m.def(
+      "check_linear_args",
+      [](int64_t layer_id, const at::Tensor& input, const at::Tensor& weight,
+         const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> compute_dtype) {
+        HANDLE_TH_ERRORS
+        splitgrad::detail::check_linear_args([&] { return splitgrad::detail::layer_label(layer_id); },
+                                             input, weight, bias, compute_dtype);
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("layer_id"), py::arg("input"), py::arg("weight"), py::arg("bias"),
+      py::arg("compute_dtype") = std::nullopt,
+      "The op's argument checks, for a forward that runs without the op (torch.func transforms).");
   m.def(
       "register_grad_ready_hook",
       [](const at::Tensor& param, py::function fn) {

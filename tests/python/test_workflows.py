@@ -506,3 +506,86 @@ def test_messages_name_the_layer_and_dtypes_as_torch_does():
         model(torch.ones(2, D, dtype=torch.long))
     with pytest.raises(TypeError, match=r"splitgrad layer 'fc' cannot be compiled by torch.jit.script"):
         torch.jit.script(nn.Sequential(model))
+
+
+# 10. Dynamic shapes ---------------------------------------------------------------------------
+
+
+def test_export_with_dynamic_dims_runs_at_other_sizes():
+    model = nn.Sequential(layer(True), nn.ReLU(), layer(False))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq")
+    program = torch.export.export(model, (torch.randn(3, 5, D),),
+                                  dynamic_shapes=({0: batch, 1: seq},))
+    exported = program.module()
+    for shape in [(2, 7, D), (4, 2, D), (3, 5, D)]:
+        x = torch.randn(shape)
+        twins = [plain_twin(model[0]), plain_twin(model[2])]
+        y = exported(x)
+        y_ref = twins[1](torch.relu(twins[0](x)))
+        exact(y, y_ref)
+        y.pow(2).sum().backward()
+        y_ref.pow(2).sum().backward()
+        params = dict(exported.named_parameters())
+        exact(params["0.weight"].grad, twins[0].weight.grad)
+        exact(params["2.bias"].grad, twins[1].bias.grad)
+        exported.zero_grad()
+    assert splitgrad.pending_wgrads() == 0
+
+
+def test_compile_dynamic_traces_once_for_all_sizes():
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    model = nn.Sequential(layer(False), nn.GELU(), layer(False))
+    twins = nn.Sequential(plain_twin(model[0]), nn.GELU(), plain_twin(model[2]))
+    compiled = torch.compile(model, dynamic=True, backend="aot_eager")
+    for tokens in (3, 5, 9, 17):
+        x = torch.randn(tokens, D)
+        compiled(x).pow(2).sum().backward()
+        twins(x).pow(2).sum().backward()
+        for mine, ref in zip(model.parameters(), twins.parameters()):
+            torch.testing.assert_close(mine.grad, ref.grad)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+# 11. torch.func transforms and forward-mode AD ------------------------------------------------
+
+
+@pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (True, True)])
+def test_torch_func_transforms_match_nn_linear(delay, fused):
+    from torch.func import functional_call, grad, jacrev, jvp, vmap
+
+    model = layer(delay, fuse_wgrad_accumulation=fused)
+    if fused:
+        model.weight.main_grad = torch.zeros(D, D)
+        model.bias.main_grad = torch.zeros(D)
+    twin = plain_twin(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, D)
+
+    def loss(module):
+        return lambda p, x: functional_call(module, p, (x,)).pow(2).sum()
+
+    exact(grad(loss(model))(params, x), grad(loss(twin))(params, x))
+    per_sample = vmap(grad(loss(model)), in_dims=(None, 0))(params, x.unsqueeze(1))
+    exact(per_sample, vmap(grad(loss(twin)), in_dims=(None, 0))(params, x.unsqueeze(1)))
+    exact(jacrev(model)(x[0]), jacrev(twin)(x[0]))
+    tangent = torch.randn_like(x)
+    exact(jvp(model, (x,), (tangent,)), jvp(twin, (x,), (tangent,)))
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, tangent)
+        exact(torch.autograd.forward_ad.unpack_dual(model(dual)).tangent,
+              torch.autograd.forward_ad.unpack_dual(twin(dual)).tangent)
+    # Functional gradients are returned, never written: nothing queued, .grad and main_grad untouched.
+    assert splitgrad.pending_wgrads() == 0
+    assert model.weight.grad is None and model.bias.grad is None
+    if fused:
+        assert not model.weight.main_grad.any() and not model.bias.main_grad.any()
+
+
+def test_torch_func_forward_checks_arguments_naming_the_layer():
+    model = layer(True, name="fc")
+    with pytest.raises(splitgrad.ArgumentError, match=r"splitgrad layer 'fc': expected input of shape"):
+        torch.func.grad(lambda x: model(x).sum())(torch.randn(2, D + 1))
+    with pytest.raises(splitgrad.DTypeError, match=r"splitgrad layer 'fc'.*torch\.float64"):
+        torch.func.grad(lambda x: model(x).sum())(torch.randn(2, D, dtype=torch.float64))
