@@ -16,12 +16,13 @@ received one does); the last stage's F includes the loss.
   ``time.perf_counter``.
 - **Bytes sent** per micro-batch: the size of the stage's output (its gradient comes back, the same
   size); the last stage sends nothing forward.
-- **Memory per action** (CUDA only): ``torch.cuda.memory_allocated`` before and after each of F, B,
-  W of one micro-batch, and ``max_memory_allocated`` during it: the activation a micro-batch holds
+- **Memory per action**: ``torch.cuda.memory_allocated`` before and after each of F, B, W of one
+  micro-batch, and ``max_memory_allocated`` during it (on the CPU, which keeps no such counters, the
+  bytes of the tensors the operators create, counted by a dispatch mode: ``CpuMemory``): the activation a micro-batch holds
   from its F to its B (``activation_bytes``), what its B leaves held until its W (the deferred
   wgrad's stash, ``wgrad_stash_bytes``), and each action's transient peak above its starting level.
   ``static_bytes``: the stage's parameters and fp32 ``main_grad`` (optimizer state not included).
-- **Peak memory per schedule, replayed** (CUDA only): for ``--replay-ranks`` ranks and
+- **Peak memory per schedule, replayed**: for ``--replay-ranks`` ranks and
   ``--replay-micro-batches``, each rank's compute actions in torch's own order
   (``schedule_sim.schedule_actions``) run for real in this process (F keeps its input and output,
   B runs the backward with a random output gradient and drops them, W runs the stage's deferred
@@ -46,6 +47,9 @@ import time
 from types import SimpleNamespace
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from tqdm import tqdm
 
 import splitgrad
@@ -62,6 +66,7 @@ class Clock:
     """CUDA events on a GPU, perf_counter on the CPU: ``mark()`` then ``elapsed(a, b)`` in seconds."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def mark(self):
@@ -161,110 +166,172 @@ def stages_for(pieces, num_stages, cfg, device, dtype) -> list[Stage]:
             for s in range(num_stages)]
 
 
+class CudaMemory:
+    """Bytes allocated, from the CUDA caching allocator's counters."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated()
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated()
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+
+class CpuMemory(TorchDispatchMode):
+    """The CPU has no allocator statistics: this counts the bytes of the storages of tensors that
+    operators create while it is active (alive until their storage is freed) and their peak after
+    each operator; buffers a kernel frees before it returns are missed. Enough to check the
+    measurement on the CPU; on a GPU, CudaMemory counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.top = 0
+
+    def track(self, tensors) -> None:
+        """Counts tensors made elsewhere too (gradients a backward may replace): their bytes drop
+        out when they are freed."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self.live and storage.nbytes():
+                    self.live[ref.cdata] = (ref, storage.nbytes())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.track(tree_leaves(out))
+        self.top = max(self.top, self.allocated())
+        return out
+
+    def allocated(self) -> int:
+        self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
+        return sum(n for _, n in self.live.values())
+
+    def peak(self) -> int:
+        return max(self.top, self.allocated())
+
+    def reset_peak(self) -> None:
+        self.top = self.allocated()
+
+
+def memory_meter(device: torch.device, stages: list[Stage]):
+    """The device's meter; on the CPU it also counts the stages' gradients, which a backward may
+    replace by new tensors rather than add to in place."""
+    if device.type == "cuda":
+        return CudaMemory()
+    meter = CpuMemory()
+    for stage in stages:
+        meter.track(t for p in stage.module.parameters() for t in (p.grad, getattr(p, "main_grad", None)))
+    return meter
+
+
 def measure_split(stages: list[Stage], clock: Clock, args, progress) -> dict:
     """F / B / W seconds (median), bytes sent and memory per action of every stage."""
-    cuda = clock.cuda
-    result = {k: [] for k in ("forward_s", "backward_input_s", "backward_weight_s", "p2p_bytes")}
-    memory = {k: [] for k in ("activation_bytes", "wgrad_stash_bytes", "static_bytes")}
-    transient = {k: [] for k in "FIWB"}
+    result = {k: [] for k in ("forward_s", "backward_input_s", "backward_weight_s", "p2p_bytes", "activation_bytes",
+                              "wgrad_stash_bytes", "static_bytes")}
+    result["transient_bytes"] = {k: [] for k in "FIWB"}
     for stage in stages:
         samples = {"F": [], "I": [], "W": []}
-        for rep in range(args.warmup + args.repeats + (1 if cuda else 0)):
+        for rep in range(args.warmup + args.repeats):
             x = stage.make_input()
             clock.sync()
-            measuring_memory = cuda and rep == args.warmup + args.repeats  # one extra, untimed pass
-            if measuring_memory:
-                level, peaks = [], []
-                torch.cuda.reset_peak_memory_stats()
-                level.append(torch.cuda.memory_allocated())
             t0 = clock.mark()
             out = stage.forward(x)
             t1 = clock.mark()
-            if measuring_memory:
-                level.append(torch.cuda.memory_allocated())
-                peaks.append(torch.cuda.max_memory_allocated())
             grad = stage.output_gradient(out)
             if rep == 0:
                 result["p2p_bytes"].append(0 if stage.last else out.numel() * out.element_size())
-            if measuring_memory:
-                torch.cuda.reset_peak_memory_stats()
             t2 = clock.mark()
             stage.backward_input(rep, out, grad)
-            del out, grad, x  # B done: the stage drops its input, output and the gradients it sent
             t3 = clock.mark()
-            if measuring_memory:
-                level.append(torch.cuda.memory_allocated())
-                peaks.append(torch.cuda.max_memory_allocated())
-                torch.cuda.reset_peak_memory_stats()
+            del out, grad, x
             t4 = clock.mark()
             stage.backward_weight(rep)
             t5 = clock.mark()
             clock.sync()
-            if measuring_memory:
-                level.append(torch.cuda.memory_allocated())
-                peaks.append(torch.cuda.max_memory_allocated())
-                start, after_f, after_i, after_w = level
-                activation = after_f - start
-                stash = after_i - start
-                t_f = peaks[0] - start
-                t_i = peaks[1] - after_f  # the received gradient is part of B's transient
-                t_w = peaks[2] - after_i
-                memory["activation_bytes"].append(activation)
-                memory["wgrad_stash_bytes"].append(stash)
-                transient["F"].append(t_f)
-                transient["I"].append(t_i)
-                transient["W"].append(t_w)
-                transient["B"].append(max(t_i, stash - activation + t_w))  # a full backward: B, then W at once
-            elif rep >= args.warmup:
+            if rep >= args.warmup:
                 samples["F"].append(clock.elapsed(t0, t1))
                 samples["I"].append(clock.elapsed(t2, t3))
                 samples["W"].append(clock.elapsed(t4, t5))
+        for key, kind in (("forward_s", "F"), ("backward_input_s", "I"), ("backward_weight_s", "W")):
+            result[key].append(statistics.median(samples[kind]))
+        memory = measure_memory(stage, memory_meter(clock.device, [stage]))
+        for key in ("activation_bytes", "wgrad_stash_bytes"):
+            result[key].append(memory[key])
+        for kind in "FIWB":
+            result["transient_bytes"][kind].append(memory[kind])
+        result["static_bytes"].append(stage.static_bytes())
         if splitgrad.pending_wgrads():
             raise RuntimeError(f"stage {stage.index}: deferred work left after measuring: "
                                f"{splitgrad.layers_with_pending_wgrads()}")
-        result["forward_s"].append(statistics.median(samples["F"]))
-        result["backward_input_s"].append(statistics.median(samples["I"]))
-        result["backward_weight_s"].append(statistics.median(samples["W"]))
-        memory["static_bytes"].append(stage.static_bytes())
         progress.update(1)
     result["pieces"] = [[int(k) for k in stage.module._modules] for stage in stages]
-    if cuda:
-        result.update(memory)
-        result["transient_bytes"] = transient
-    else:
-        result.update({k: None for k in memory}, transient_bytes=None)
-        result["static_bytes"] = memory["static_bytes"]
     return result
 
 
-def replay(stages: list[Stage], name: str, ranks: int, micro_batches: int) -> list[int]:
+def measure_memory(stage: Stage, meter) -> dict:
+    """One micro-batch's F, B, W with the meter: what F leaves held until B (the received input,
+    the output and autograd's saved tensors), what B leaves held until W (the deferred wgrad's
+    stash), and each action's transient peak above the level it starts from (B's includes the
+    received output gradient)."""
+    with meter:
+        meter.reset_peak()
+        start = meter.allocated()
+        x = stage.make_input()
+        out = stage.forward(x)
+        after_f, peak_f = meter.allocated(), meter.peak()
+        meter.reset_peak()
+        grad = stage.output_gradient(out)
+        stage.backward_input(-1, out, grad)
+        del out, grad, x  # B done: the stage drops its input, output and the gradient it received
+        after_i, peak_i = meter.allocated(), meter.peak()
+        meter.reset_peak()
+        stage.backward_weight(-1)
+        peak_w = meter.peak()
+    activation, stash = after_f - start, after_i - start
+    t_i, t_w = peak_i - after_f, peak_w - after_i
+    return {"activation_bytes": activation, "wgrad_stash_bytes": stash, "F": peak_f - start, "I": t_i, "W": t_w,
+            "B": max(t_i, stash - activation + t_w)}  # a full backward: B, then its W at once
+
+
+def replay(stages: list[Stage], name: str, ranks: int, micro_batches: int, meter) -> list[int]:
     """Each rank's actions of schedule ``name`` in torch's order, run for real; the peak bytes
     allocated above the level the rank started from, per rank."""
     plan = sim.schedule_actions(name, ranks, micro_batches)
     peaks = []
     for actions in plan:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        held: dict[tuple[int, int], tuple] = {}
-        for s, kind, mb in actions:
-            stage = stages[s]
-            if kind == "F":
-                x = stage.make_input()
-                held[(s, mb)] = (x, stage.forward(x))
-                del x
-                continue
-            if kind in ("I", "B"):
-                x, out = held.pop((s, mb))
-                grad = stage.output_gradient(out)
-                stage.backward_input(mb, out, grad)
-                del x, out, grad
-            if kind in ("W", "B"):
-                stage.backward_weight(mb)
-        torch.cuda.synchronize()
+        with meter:
+            meter.reset_peak()
+            base = meter.allocated()
+            held: dict[tuple[int, int], tuple] = {}
+            for s, kind, mb in actions:
+                stage = stages[s]
+                if kind == "F":
+                    x = stage.make_input()
+                    held[(s, mb)] = (x, stage.forward(x))
+                    del x
+                    continue
+                if kind in ("I", "B"):
+                    x, out = held.pop((s, mb))
+                    grad = stage.output_gradient(out)
+                    stage.backward_input(mb, out, grad)
+                    del x, out, grad
+                if kind in ("W", "B"):
+                    stage.backward_weight(mb)
+            peak = meter.peak() - base
         if held or splitgrad.pending_wgrads():
             raise RuntimeError(f"replay of {name}: left over {sorted(held)}, {splitgrad.pending_wgrads()} pending")
-        peaks.append(torch.cuda.max_memory_allocated() - base)
+        peaks.append(peak)
     return peaks
 
 
@@ -272,8 +339,8 @@ def needed_splits(ranks: list[int], schedules: list[str]) -> list[int]:
     return sorted({r * sim.SCHEDULES[name][1] for r in ranks for name in schedules})
 
 
-def gib(n) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+def mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f}"
 
 
 def print_model(name: str, entry: dict) -> None:
@@ -282,7 +349,7 @@ def print_model(name: str, entry: dict) -> None:
           f"{cfg['batch']} sequences x {cfg['context']} = {entry['tokens_per_microbatch']} tokens per micro-batch, "
           f"vocab {cfg['vocab']}, {entry['parameters'] / 1e6:.0f}M parameters, {cfg['dtype']}")
     header = (f"{'stages':>6} | {'stage':>5} | {'blocks':>6} | {'F ms':>7} | {'B ms':>7} | {'W ms':>7} | "
-              f"{'F:B:W':>14} | {'sends MiB':>9} | {'act GiB':>7} | {'stash GiB':>9} | {'static GiB':>10}")
+              f"{'F:B:W':>14} | {'sends MiB':>9} | {'act MiB':>8} | {'stash MiB':>9} | {'static MiB':>10}")
     print(header)
     print("-" * len(header))
     for count, split in entry["splits"].items():
@@ -292,17 +359,16 @@ def print_model(name: str, entry: dict) -> None:
         for s in range(int(count)):
             f, b, w = (split[k][s] for k in ("forward_s", "backward_input_s", "backward_weight_s"))
             blocks = sum(1 for p in split["pieces"][s] if 0 < p <= cfg["layers"])
-            act = split["activation_bytes"][s] if split["activation_bytes"] else None
-            stash = split["wgrad_stash_bytes"][s] if split["wgrad_stash_bytes"] else None
+            act, stash = split["activation_bytes"][s], split["wgrad_stash_bytes"][s]
             print(f"{count:>6} | {s:>5} | {blocks:>6} | {1e3 * f:>7.3f} | {1e3 * b:>7.3f} | {1e3 * w:>7.3f} | "
-                  f"{f'1:{b / f:.2f}:{w / f:.2f}':>14} | {split['p2p_bytes'][s] / 2**20:>9.1f} | {gib(act):>7} | "
-                  f"{gib(stash):>9} | {gib(split['static_bytes'][s]):>10}")
+                  f"{f'1:{b / f:.2f}:{w / f:.2f}':>14} | {split['p2p_bytes'][s] / 2**20:>9.1f} | {mib(act):>8} | "
+                  f"{mib(stash):>9} | {mib(split['static_bytes'][s]):>10}")
     if entry["replays"]:
-        print(f"peak memory replayed (GiB above the rank's parameters and main_grads; per rank), "
+        print(f"peak memory replayed (MiB above the rank's parameters and main_grads; per rank), "
               f"{entry['replays'][0]['micro_batches']} micro-batches:")
         for r in entry["replays"]:
             label = sim.SCHEDULES[r["schedule"]][2]
-            peaks = " / ".join(gib(p) for p in r["peak_bytes"]) if "peak_bytes" in r else f"not run: {r['error']}"
+            peaks = " / ".join(mib(p) for p in r["peak_bytes"]) if "peak_bytes" in r else f"not run: {r['error']}"
             print(f"  {label:>17}, {r['ranks']} ranks: {peaks}")
 
 
@@ -338,7 +404,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(0)
     splits = needed_splits(args.ranks, schedules)
-    replay_cases = [(n, r) for r in args.replay_ranks for n in schedules] if device.type == "cuda" else []
+    replay_cases = [(n, r) for r in args.replay_ranks for n in schedules]
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
     payload = {
@@ -377,12 +443,13 @@ def main(argv=None) -> int:
             if count <= cfg.layers:
                 stages = stages_for(pieces, count, cfg, device, dtype)
                 try:
-                    peaks = replay(stages, schedule, ranks, args.replay_micro_batches)
+                    peaks = replay(stages, schedule, ranks, args.replay_micro_batches, memory_meter(device, stages))
                 except splitgrad.ArgumentError as error:  # a micro-batch count torch's schedule refuses
                     peaks = str(error)
                 except torch.cuda.OutOfMemoryError:
-                    torch.cuda.empty_cache()
                     peaks = "out of memory"
+                    splitgrad.backward_dw_all()  # the stashes of the B steps that ran: drop them
+                    torch.cuda.empty_cache()
                 if isinstance(peaks, list):
                     entry["replays"].append({"schedule": schedule, "ranks": ranks,
                                              "micro_batches": args.replay_micro_batches, "peak_bytes": peaks})

@@ -91,8 +91,8 @@ def predict(model: str, entry: dict, name: str, ranks: int, m: int, args) -> dic
     return row
 
 
-def gib(n) -> str:
-    return "–" if n is None else f"{n / 2**30:.2f}"
+def size(n, unit: str) -> str:
+    return "–" if n is None else f"{n / {'GiB': 2**30, 'MiB': 2**20}[unit]:.2f}"
 
 
 def markdown(rows, payload, args) -> str:
@@ -105,12 +105,14 @@ def markdown(rows, payload, args) -> str:
              "schedule's (same ranks and micro-batches).", ""]
     for model, entry in payload["models"].items():
         cfg = entry["config"]
+        mine = [r for r in rows if r["model"] == model]
+        largest = max([p for r in mine for p in (r.get("peak_bytes") or []) + r.get("static_bytes", [])], default=0)
+        unit = "GiB" if largest >= 2**30 else "MiB"
         lines += [f"### {model}: dim {cfg['dim']}, {cfg['layers']} blocks, context {cfg['context']}, "
                   f"{entry['tokens_per_microbatch']} tokens per micro-batch, {entry['parameters'] / 1e6:.0f}M "
                   f"parameters, {cfg['dtype']}", "",
-                  "| schedule | ranks | micro-batches | step ms | tokens/s | bubble | vs 1F1B | peak GiB | static GiB |",
+                  f"| schedule | ranks | micro-batches | step ms | tokens/s | bubble | vs 1F1B | peak {unit} | static {unit} |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        mine = [r for r in rows if r["model"] == model]
         base = {(r["ranks"], r["micro_batches"]): r["step_s"] for r in mine
                 if r["schedule"] == "1f1b" and "step_s" in r}
         for r in mine:
@@ -123,24 +125,24 @@ def markdown(rows, payload, args) -> str:
             lines.append(f"| {r['label']} | {r['ranks']} | {r['micro_batches']} | {1e3 * r['step_s']:.2f} | "
                          f"{r['tokens_per_s']:,.0f} | {r['bubble']:.1%} | "
                          f"{versus} | "
-                         f"{gib(r['peak_bytes'][fullest] if r['peak_bytes'] else None)} | "
-                         f"{gib(r['static_bytes'][fullest])} |")
+                         f"{size(r['peak_bytes'][fullest] if r['peak_bytes'] else None, unit)} | "
+                         f"{size(r['static_bytes'][fullest], unit)} |")
         skipped = sorted({f"{r['label']} on {r['ranks']} ranks with {r['micro_batches']} micro-batches: {r['skipped']}"
                           for r in mine if "skipped" in r})
         if skipped:
             lines += ["", "–: " + "; ".join(skipped)]
         replays = [rp for rp in entry.get("replays", []) if "peak_bytes" in rp]
         if replays:
-            lines += ["", f"Peak memory per rank, GiB above static: replayed on the GPU (the rank's actions run "
-                          f"for real) against derived (the table's method)", "",
+            lines += ["", f"Peak memory per rank, {unit} above static: replayed on the device (the rank's actions "
+                          "run for real, in one process) against derived (the table's method)", "",
                       "| schedule | ranks | micro-batches | replayed | derived |", "|---|---:|---:|---|---|"]
             for rp in replays:
                 split = entry["splits"].get(str(rp["ranks"] * sim.SCHEDULES[rp["schedule"]][1]), {})
                 derived = memory_peaks(sim.schedule_actions(rp["schedule"], rp["ranks"], rp["micro_batches"]), split) \
                     if "forward_s" in split else None
                 lines.append(f"| {sim.SCHEDULES[rp['schedule']][2]} | {rp['ranks']} | {rp['micro_batches']} | "
-                             + " / ".join(gib(p) for p in rp["peak_bytes"]) + " | "
-                             + (" / ".join(gib(p) for p in derived) if derived else "–") + " |")
+                             + " / ".join(size(p, unit) for p in rp["peak_bytes"]) + " | "
+                             + (" / ".join(size(p, unit) for p in derived) if derived else "–") + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -154,7 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bandwidth-gbs", type=float, default=360.0, help="GB/s per direction between two GPUs")
     parser.add_argument("--latency-us", type=float, default=10.0, help="µs per point-to-point transfer")
     parser.add_argument("--action-overhead-us", type=float, default=0.0, help="idle host µs before each action")
-    parser.add_argument("--png-micro-batches", type=int, default=16, help="the micro-batch count drawn")
+    parser.add_argument("--png-micro-batches", type=int, default=None,
+                        help="the micro-batch count drawn (default 16, or the first of --micro-batches without it)")
     parser.add_argument("--out", default="out")
     args = parser.parse_args(argv)
     try:
@@ -168,6 +171,10 @@ def main(argv=None) -> int:
             parser.error(f"--schedules: unknown schedule {name!r} (choose from {sorted(sim.SCHEDULES)})")
     if not (args.bandwidth_gbs > 0 and args.latency_us >= 0 and args.action_overhead_us >= 0):
         parser.error("--bandwidth-gbs must be > 0, --latency-us and --action-overhead-us >= 0")
+    if args.png_micro_batches is None:
+        args.png_micro_batches = 16 if 16 in args.micro_batches else args.micro_batches[0]
+    if any(r < 2 for r in args.ranks) or any(m < 1 for m in args.micro_batches):
+        parser.error("--ranks must be >= 2 and --micro-batches >= 1")
     os.makedirs(args.out, exist_ok=True)
     try:
         import matplotlib  # noqa: F401  (schedule_sim.plot_timeline draws with it)
