@@ -384,8 +384,9 @@ def main(argv=None) -> int:
     parser.add_argument("--schedules", default=DEFAULT_SCHEDULES)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--replay-ranks", type=int, nargs="*", default=[2, 4])
-    parser.add_argument("--replay-micro-batches", type=int, default=8)
+    parser.add_argument("--replay-ranks", type=int, nargs="*", default=[2, 4, 8],
+                        help="rank counts whose schedules are replayed for their peak memory (none: no replays)")
+    parser.add_argument("--replay-micro-batches", type=int, default=16)
     parser.add_argument("--out", default="out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

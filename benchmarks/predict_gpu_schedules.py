@@ -24,7 +24,8 @@ included). Where the JSON has replays (the actions run for real on the GPU), the
 to this derived figure.
 
 Writes ``<out>/predicted_schedules.md`` (markdown tables), ``<out>/predicted_schedules.json`` and one
-timeline PNG per model and rank count (``<out>/predicted_<model>_<r>ranks_m<m>.png``).
+timeline PNG per model (``<out>/predicted_<model>_m16.png``: every schedule and rank count at
+``--png-micro-batches``).
 
     python benchmarks/predict_gpu_schedules.py --costs out/stage_costs.json --out out
 """
@@ -184,18 +185,18 @@ def main(argv=None) -> int:
         print("matplotlib is not installed: no timeline PNGs")
     rows, pngs = [], []
     for model, entry in payload["models"].items():
+        drawn = []
         for ranks in args.ranks:
-            drawn = []
             for m in args.micro_batches:
                 for name in schedules:
                     row = predict(model, entry, name, ranks, m, args)
                     rows.append(row)
                     if m == args.png_micro_batches and "result" in row:
                         drawn.append(row["result"])
-            if drawn and plots:
-                path = os.path.join(args.out, f"predicted_{model}_{ranks}ranks_m{args.png_micro_batches}.png")
-                sim.plot_timeline(drawn, path)
-                pngs.append(path)
+        if drawn and plots:  # one PNG per model: few files come back from a device machine
+            path = os.path.join(args.out, f"predicted_{model}_m{args.png_micro_batches}.png")
+            sim.plot_timeline(drawn, path)
+            pngs.append(path)
     text = markdown(rows, payload, args)
     print(text)
     md = os.path.join(args.out, "predicted_schedules.md")

@@ -97,7 +97,7 @@ def test_predictions_cover_every_schedule_and_match_the_replays(measured, tmp_pa
     for label in LABELS:
         assert f"| {label} | 2 | 4 |" in text and f"| {label} | 2 | 8 |" in text, label
     assert "Peak memory per rank" in text
-    assert (tmp_path / "predicted_tiny_2ranks_m4.png").read_bytes()[:8] == PNG
+    assert (tmp_path / "predicted_tiny_m4.png").read_bytes()[:8] == PNG
     rows = json.loads((tmp_path / "predicted_schedules.json").read_text())["rows"]
     assert len(rows) == 12
     for row in rows:
