@@ -18,7 +18,8 @@ received one does); the last stage's F includes the loss.
   size); the last stage sends nothing forward.
 - **Memory per action**: ``torch.cuda.memory_allocated`` before and after each of F, B, W of one
   micro-batch, and ``max_memory_allocated`` during it (on the CPU, which keeps no such counters, the
-  bytes of the tensors the operators create, counted by a dispatch mode: ``CpuMemory``): the activation a micro-batch holds
+  bytes of the tensors the operators create, counted by a dispatch mode: ``CpuMemory``): the
+  activation a micro-batch holds
   from its F to its B (``activation_bytes``), what its B leaves held until its W (the deferred
   wgrad's stash, ``wgrad_stash_bytes``), and each action's transient peak above its starting level.
   ``static_bytes``: the stage's parameters and fp32 ``main_grad`` (optimizer state not included).
@@ -87,35 +88,28 @@ class Clock:
 
 
 class Stage:
-    """One stage's module and how to feed it: F, B (input gradients) and W of one micro-batch."""
+    """One pipeline stage to measure: its module, and how to make the input it receives.
 
-    def __init__(self, module, index: int, num_stages: int, cfg, device, dtype) -> None:
+    ``make_input()`` returns one micro-batch's input (what the stage receives: token ids on the
+    first stage, an activation with ``requires_grad=True`` on the others); on the last stage
+    ``loss_fn(output)`` turns the output into the loss, inside F. W runs the module's delayed
+    splitgrad layers' deferred wgrad. Any model cut into stage modules can be measured this way.
+    """
+
+    def __init__(self, module, index: int, num_stages: int, make_input, loss_fn=None) -> None:
         self.module, self.index, self.num_stages = module, index, num_stages
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.make_input, self.loss_fn = make_input, loss_fn
         self.layers = [m for m in module.modules() if isinstance(m, splitgrad.Linear) and m.delay_wgrad_compute]
         self.queue: list[int] = []  # micro-batches whose B ran and whose W has not, oldest first
-
-    @property
-    def first(self) -> bool:
-        return self.index == 0
 
     @property
     def last(self) -> bool:
         return self.index == self.num_stages - 1
 
-    def make_input(self):
-        b, t = self.cfg.batch, self.cfg.context
-        if self.first:
-            return torch.randint(0, self.cfg.vocab, (b, t), device=self.device)
-        return torch.randn(b, t, self.cfg.dim, device=self.device, dtype=self.dtype, requires_grad=True)
-
     def forward(self, x):
         """The stage's output (its loss on the last stage), kept with its input for B."""
         out = self.module(x)
-        if self.last:
-            targets = torch.randint(0, self.cfg.vocab, (self.cfg.batch, self.cfg.context), device=self.device)
-            out = tinygpt.lm_loss(out, targets)
-        return out
+        return self.loss_fn(out) if self.last and self.loss_fn is not None else out
 
     def output_gradient(self, out):
         return None if self.last else torch.randn_like(out)
@@ -162,7 +156,20 @@ def build_model(name: str, device: torch.device, dtype_name: str | None):
 
 
 def stages_for(pieces, num_stages, cfg, device, dtype) -> list[Stage]:
-    return [Stage(tinygpt.stage_module(pieces, s, num_stages), s, num_stages, cfg, device, dtype)
+    """The main job's model cut into ``num_stages`` stages as the demo cuts it, with random inputs
+    of the shapes they receive."""
+    b, t = cfg.batch, cfg.context
+
+    def ids():
+        return torch.randint(0, cfg.vocab, (b, t), device=device)
+
+    def activation():
+        return torch.randn(b, t, cfg.dim, device=device, dtype=dtype, requires_grad=True)
+
+    def loss(logits):
+        return tinygpt.lm_loss(logits, ids())
+
+    return [Stage(tinygpt.stage_module(pieces, s, num_stages), s, num_stages, ids if s == 0 else activation, loss)
             for s in range(num_stages)]
 
 
@@ -235,14 +242,17 @@ def memory_meter(device: torch.device, stages: list[Stage]):
     return meter
 
 
-def measure_split(stages: list[Stage], clock: Clock, args, progress) -> dict:
-    """F / B / W seconds (median), bytes sent and memory per action of every stage."""
+def measure_split(stages: list[Stage], device, warmup: int = 3, repeats: int = 20, progress=None) -> dict:
+    """F / B / W seconds (median over ``repeats`` after ``warmup``), bytes sent and memory per
+    action of every stage (run one after the other on ``device``), and the parameter bytes."""
+    device = torch.device(device)
+    clock = Clock(device)
     result = {k: [] for k in ("forward_s", "backward_input_s", "backward_weight_s", "p2p_bytes", "activation_bytes",
                               "wgrad_stash_bytes", "static_bytes")}
     result["transient_bytes"] = {k: [] for k in "FIWB"}
     for stage in stages:
         samples = {"F": [], "I": [], "W": []}
-        for rep in range(args.warmup + args.repeats):
+        for rep in range(warmup + repeats):
             x = stage.make_input()
             clock.sync()
             t0 = clock.mark()
@@ -259,13 +269,13 @@ def measure_split(stages: list[Stage], clock: Clock, args, progress) -> dict:
             stage.backward_weight(rep)
             t5 = clock.mark()
             clock.sync()
-            if rep >= args.warmup:
+            if rep >= warmup:
                 samples["F"].append(clock.elapsed(t0, t1))
                 samples["I"].append(clock.elapsed(t2, t3))
                 samples["W"].append(clock.elapsed(t4, t5))
         for key, kind in (("forward_s", "F"), ("backward_input_s", "I"), ("backward_weight_s", "W")):
             result[key].append(statistics.median(samples[kind]))
-        memory = measure_memory(stage, memory_meter(clock.device, [stage]))
+        memory = measure_memory(stage, memory_meter(device, [stage]))
         for key in ("activation_bytes", "wgrad_stash_bytes"):
             result[key].append(memory[key])
         for kind in "FIWB":
@@ -274,8 +284,8 @@ def measure_split(stages: list[Stage], clock: Clock, args, progress) -> dict:
         if splitgrad.pending_wgrads():
             raise RuntimeError(f"stage {stage.index}: deferred work left after measuring: "
                                f"{splitgrad.layers_with_pending_wgrads()}")
-        progress.update(1)
-    result["pieces"] = [[int(k) for k in stage.module._modules] for stage in stages]
+        if progress is not None:
+            progress.update(1)
     return result
 
 
@@ -304,9 +314,12 @@ def measure_memory(stage: Stage, meter) -> dict:
             "B": max(t_i, stash - activation + t_w)}  # a full backward: B, then its W at once
 
 
-def replay(stages: list[Stage], name: str, ranks: int, micro_batches: int, meter) -> list[int]:
+def replay(stages: list[Stage], name: str, ranks: int, micro_batches: int, meter=None) -> list[int]:
     """Each rank's actions of schedule ``name`` in torch's order, run for real; the peak bytes
-    allocated above the level the rank started from, per rank."""
+    allocated above the level the rank started from, per rank. ``stages``: all ``ranks`` x the
+    schedule's stages per rank, on one device."""
+    if meter is None:
+        meter = memory_meter(next(stages[0].module.parameters()).device, stages)
     plan = sim.schedule_actions(name, ranks, micro_batches)
     peaks = []
     for actions in plan:
@@ -410,7 +423,8 @@ def main(argv=None) -> int:
     started = time.time()
     payload = {
         "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        "device": (torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"),
+        "device": (torch.cuda.get_device_name(0) if device.type == "cuda"
+                   else f"cpu, {torch.get_num_threads()} threads"),
         "device_memory_bytes": torch.cuda.get_device_properties(0).total_memory if device.type == "cuda" else None,
         "torch": torch.__version__, "warmup": args.warmup, "repeats": args.repeats,
         "timing": "CUDA events, median" if device.type == "cuda" else "perf_counter, median",
@@ -436,8 +450,10 @@ def main(argv=None) -> int:
                 entry["splits"][str(count)] = {"skipped": f"{count} stages need at least {count} blocks, "
                                                           f"{name} has {cfg.layers}"}
                 continue
-            entry["splits"][str(count)] = measure_split(stages_for(pieces, count, cfg, device, dtype),
-                                                        Clock(device), args, progress)
+            split = measure_split(stages_for(pieces, count, cfg, device, dtype), device, args.warmup, args.repeats,
+                                  progress)
+            split["pieces"] = [tinygpt.stage_pieces(len(pieces), s, count) for s in range(count)]
+            entry["splits"][str(count)] = split
         for schedule, ranks in replay_cases:
             progress.set_description(f"{name}: replay {schedule}, {ranks} ranks")
             count = ranks * sim.SCHEDULES[schedule][1]

@@ -112,13 +112,14 @@ def markdown(rows, payload, args) -> str:
         lines += [f"### {model}: dim {cfg['dim']}, {cfg['layers']} blocks, context {cfg['context']}, "
                   f"{entry['tokens_per_microbatch']} tokens per micro-batch, {entry['parameters'] / 1e6:.0f}M "
                   f"parameters, {cfg['dtype']}", "",
-                  f"| schedule | ranks | micro-batches | step ms | tokens/s | bubble | vs 1F1B | peak {unit} | static {unit} |",
+                  "| schedule | ranks | micro-batches | step ms | tokens/s | bubble | vs 1F1B | "
+                  f"peak {unit} | static {unit} |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         base = {(r["ranks"], r["micro_batches"]): r["step_s"] for r in mine
                 if r["schedule"] == "1f1b" and "step_s" in r}
         for r in mine:
             if "skipped" in r:
-                lines.append(f"| {r['label']} | {r['ranks']} | {r['micro_batches']} | – | – | – | – | – | – |")
+                lines.append(f"| {r['label']} | {r['ranks']} | {r['micro_batches']} |" + " – |" * 6)
                 continue
             fullest = max(range(r["ranks"]), key=lambda k: (r["peak_bytes"] or r["static_bytes"])[k])
             speed = base.get((r["ranks"], r["micro_batches"]))

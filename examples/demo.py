@@ -452,7 +452,8 @@ def main(argv=None) -> int:
         if problem:
             parser.error(problem)
     if args.context > len(data) - 2:
-        parser.error(f"--context {args.context} must be at most {len(data) - 2} (the corpus has {len(data)} characters)")
+        parser.error(f"--context {args.context} must be at most {len(data) - 2} "
+                     f"(the corpus has {len(data)} characters)")
     if args.device == "cuda" and torch.cuda.device_count() < args.stages:
         parser.error(f"--device cuda needs {args.stages} GPUs (one per pipeline rank), {torch.cuda.device_count()} "
                      "are visible; benchmarks/measure_stage_costs.py measures every stage on one GPU")
@@ -467,7 +468,8 @@ def main(argv=None) -> int:
     label = SCHEDULES[args.schedule][3]
     print(f"splitgrad main job: {label} on {world} processes ({'NCCL' if args.device == 'cuda' else 'gloo'}), "
           f"model {args.model} (dim {args.dim}, {args.heads} heads, vocab {args.vocab}), "
-          f"{args.layers} blocks of delayed splitgrad.Linear{' with fp32 main_grad' if args.dtype != 'float32' else ''}, embedding tied to the output layer across stages, "
+          f"{args.layers} blocks of delayed splitgrad.Linear{' with fp32 main_grad' if args.dtype != 'float32' else ''}, "
+          "embedding tied to the output layer across stages, "
           f"{args.micro_batches} micro-batches x {args.batch} x {args.context} tokens, {args.device}, {args.dtype}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, args, tmp), nprocs=world, join=True)

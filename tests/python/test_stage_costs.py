@@ -182,3 +182,21 @@ def test_measure_refuses_bad_input(tmp_path, capsys):
             measure.main(["--device", "cpu", "--out", str(tmp_path), *args] if "--device" not in args
                          else ["--out", str(tmp_path), *args])
         assert message in capsys.readouterr().err, args
+
+
+def test_bfloat16_stages_carry_fp32_main_grads(tmp_path):
+    """As on a GPU: bf16 parameters with fused fp32 main_grads (6 bytes per parameter), bf16 activations
+    sent, and the W steps add into main_grad."""
+    measure = bench("measure_stage_costs")
+    assert measure.main(["--device", "cpu", "--model", "tiny", "--dtype", "bfloat16", "--ranks", "2", "--schedules",
+                         "zb1p", "--warmup", "0", "--repeats", "1", "--replay-ranks", "2",
+                         "--replay-micro-batches", "2",
+                         "--quiet", "--out", str(tmp_path)]) == 0
+    entry = json.loads((tmp_path / "stage_costs.json").read_text())["models"]["tiny"]
+    split = entry["splits"]["2"]
+    assert entry["config"]["dtype"] == "bfloat16"
+    assert sum(split["static_bytes"]) == 6 * entry["parameters"]
+    assert split["p2p_bytes"] == [4 * 64 * 128 * 2, 0]
+    assert all(v > 0 for v in split["forward_s"] + split["backward_weight_s"] + split["wgrad_stash_bytes"])
+    assert [r["schedule"] for r in entry["replays"]] == ["zb1p"]
+    assert all(p > 0 for p in entry["replays"][0]["peak_bytes"])
