@@ -442,7 +442,8 @@ def main(argv=None) -> int:
         entry = {"config": {k: getattr(cfg, k) for k in ("dim", "heads", "layers", "context", "batch", "vocab",
                                                            "dtype")},
                  "tokens_per_microbatch": cfg.batch * cfg.context,
-                 "parameters": sum(p.numel() for p in {id(p): p for m in pieces for p in m.parameters()}.values()),
+                 # the model's, tied (static_bytes counts the output layer's copy of the embedding too)
+                 "parameters": sum(p.numel() for m in pieces for p in m.parameters()) - pieces[-1].out.weight.numel(),
                  "splits": {}, "replays": []}
         for count in splits:
             progress.set_description(f"{name}: {count} stages")

@@ -65,8 +65,8 @@ SINGLE_STAGE_CLASSES = (pipelining.Schedule1F1B, pipelining.ScheduleGPipe)
 #: vocabulary (None: the corpus's characters; 50304 is GPT-2's 50257 padded to a multiple of 64, so
 #: the embedding and the output layer weigh what a real tokenizer's would; the character ids of the
 #: corpus use its first rows). gpt2-medium is GPT-2 medium's shape (355M parameters); small is it
-#: with 16 blocks (255M), so that 8 ranks of 2 stages each still get a block per stage; 1b has
-#: GPT-3 XL's width and depth at twice GPT-2's context (1.31B). Every GPU size has 4096 tokens per
+#: with 16 blocks (254M), so that 8 ranks of 2 stages each still get a block per stage; 1b has
+#: GPT-3 XL's width and depth at twice GPT-2's context (1.32B). Every GPU size has 4096 tokens per
 #: micro-batch.
 MODELS = {
     "tiny": dict(dim=128, heads=4, layers=4, context=64, batch=4, vocab=None),

@@ -53,8 +53,8 @@ def test_measured_costs_are_positive_and_shaped_as_the_stages(measured):
             assert len(split["transient_bytes"][kind]) == n and all(v >= 0 for v in split["transient_bytes"][kind])
         # a stage sends its activation (batch x context x dim, float32); the last sends nothing forward
         assert split["p2p_bytes"] == [4 * 64 * 128 * 4] * (n - 1) + [0]
-        # the parameters of the stages are the model's (the tied output layer is a copy of its own)
-        assert sum(split["static_bytes"]) == 4 * entry["parameters"]
+        # the parameters of the stages are the model's, and the output layer's copy of the embedding
+        assert sum(split["static_bytes"]) == 4 * (entry["parameters"] + cfg["vocab"] * cfg["dim"])
         # a micro-batch holds at least its received input from F to B, and its B leaves the stash
         for s in range(1, n):
             assert split["activation_bytes"][s] >= split["p2p_bytes"][0]
@@ -195,7 +195,8 @@ def test_bfloat16_stages_carry_fp32_main_grads(tmp_path):
     entry = json.loads((tmp_path / "stage_costs.json").read_text())["models"]["tiny"]
     split = entry["splits"]["2"]
     assert entry["config"]["dtype"] == "bfloat16"
-    assert sum(split["static_bytes"]) == 6 * entry["parameters"]
+    cfg = entry["config"]
+    assert sum(split["static_bytes"]) == 6 * (entry["parameters"] + cfg["vocab"] * cfg["dim"])
     assert split["p2p_bytes"] == [4 * 64 * 128 * 2, 0]
     assert all(v > 0 for v in split["forward_s"] + split["backward_weight_s"] + split["wgrad_stash_bytes"])
     assert [r["schedule"] for r in entry["replays"]] == ["zb1p"]
