@@ -201,3 +201,32 @@ def test_bfloat16_stages_carry_fp32_main_grads(tmp_path):
     assert all(v > 0 for v in split["forward_s"] + split["backward_weight_s"] + split["wgrad_stash_bytes"])
     assert [r["schedule"] for r in entry["replays"]] == ["zb1p"]
     assert all(p > 0 for p in entry["replays"][0]["peak_bytes"])
+
+
+def test_a_model_of_your_own():
+    """README's path for any model: stage modules wrapped in Stage, measured, simulated, replayed."""
+    measure = bench("measure_stage_costs")
+    from splitgrad import schedule_sim as sim
+    import splitgrad
+    from torch import nn
+
+    torch.manual_seed(0)
+    modules = [nn.Sequential(splitgrad.Linear(32, 32, device="cpu", delay_wgrad_compute=True), nn.GELU())
+               for _ in range(2)]
+
+    def receive():
+        return torch.randn(16, 32, requires_grad=True)
+
+    stages = [measure.Stage(m, s, 2, make_input=receive, loss_fn=lambda out: out.square().mean())
+              for s, m in enumerate(modules)]
+    c = measure.measure_split(stages, "cpu", warmup=0, repeats=2)
+    assert c["p2p_bytes"] == [16 * 32 * 4, 0] and all(t > 0 for t in c["forward_s"] + c["backward_weight_s"])
+    assert c["static_bytes"] == [4 * (32 * 32 + 32)] * 2
+    costs = sim.Costs(c["forward_s"], c["backward_input_s"], c["backward_weight_s"], p2p_bytes=c["p2p_bytes"],
+                      latency=10e-6, bandwidth=360e9, activation=c["activation_bytes"],
+                      wgrad_stash=c["wgrad_stash_bytes"])
+    r = sim.simulate("zb1p", ranks=2, micro_batches=4, costs=costs, tokens_per_microbatch=16)
+    assert r.step_time > 0 and 0 <= r.bubble < 1
+    peaks = measure.replay(stages, "zb1p", 2, 4)
+    assert len(peaks) == 2 and all(p >= a for p, a in zip(peaks, c["activation_bytes"]))
+    assert splitgrad.pending_wgrads() == 0
