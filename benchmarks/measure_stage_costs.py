@@ -45,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from types import SimpleNamespace
 
 import torch
@@ -348,6 +349,48 @@ def replay(stages: list[Stage], name: str, ranks: int, micro_batches: int, meter
     return peaks
 
 
+def measure_model(name: str, args, device, splits: list[int], replay_cases, progress) -> dict:
+    """One model size: its stage costs for every split and its schedule replays."""
+    pieces, cfg, dtype = build_model(name, device, args.dtype)
+    entry = {"config": {k: getattr(cfg, k) for k in ("dim", "heads", "layers", "context", "batch", "vocab",
+                                                       "dtype")},
+             "tokens_per_microbatch": cfg.batch * cfg.context,
+             # the model's, tied (static_bytes counts the output layer's copy of the embedding too)
+             "parameters": sum(p.numel() for m in pieces for p in m.parameters()) - pieces[-1].out.weight.numel(),
+             "splits": {}, "replays": []}
+    for count in splits:
+        progress.set_description(f"{name}: {count} stages")
+        if count > cfg.layers:
+            entry["splits"][str(count)] = {"skipped": f"{count} stages need at least {count} blocks, "
+                                                      f"{name} has {cfg.layers}"}
+            continue
+        split = measure_split(stages_for(pieces, count, cfg, device, dtype), device, args.warmup, args.repeats,
+                              progress)
+        split["pieces"] = [tinygpt.stage_pieces(len(pieces), s, count) for s in range(count)]
+        entry["splits"][str(count)] = split
+    for schedule, ranks in replay_cases:
+        progress.set_description(f"{name}: replay {schedule}, {ranks} ranks")
+        count = ranks * sim.SCHEDULES[schedule][1]
+        if count <= cfg.layers:
+            stages = stages_for(pieces, count, cfg, device, dtype)
+            try:
+                peaks = replay(stages, schedule, ranks, args.replay_micro_batches, memory_meter(device, stages))
+            except splitgrad.ArgumentError as error:  # a micro-batch count torch's schedule refuses
+                peaks = str(error)
+            except torch.cuda.OutOfMemoryError:
+                peaks = "out of memory"
+                splitgrad.backward_dw_all()  # the stashes of the B steps that ran: drop them
+                torch.cuda.empty_cache()
+            if isinstance(peaks, list):
+                entry["replays"].append({"schedule": schedule, "ranks": ranks,
+                                         "micro_batches": args.replay_micro_batches, "peak_bytes": peaks})
+            else:
+                entry["replays"].append({"schedule": schedule, "ranks": ranks,
+                                         "micro_batches": args.replay_micro_batches, "error": peaks})
+        progress.update(1)
+    return entry
+
+
 def needed_splits(ranks: list[int], schedules: list[str]) -> list[int]:
     return sorted({r * sim.SCHEDULES[name][1] for r in ranks for name in schedules})
 
@@ -437,51 +480,25 @@ def main(argv=None) -> int:
         total += sum(s for s in splits if s <= layers)
     progress = tqdm(total=total + len(models) * len(replay_cases), unit="stage", disable=args.quiet,
                     desc="measuring", mininterval=0.5)
+    failed = {}
+    path = os.path.join(args.out, "stage_costs.json")
     for name in models:
-        pieces, cfg, dtype = build_model(name, device, args.dtype)
-        entry = {"config": {k: getattr(cfg, k) for k in ("dim", "heads", "layers", "context", "batch", "vocab",
-                                                           "dtype")},
-                 "tokens_per_microbatch": cfg.batch * cfg.context,
-                 # the model's, tied (static_bytes counts the output layer's copy of the embedding too)
-                 "parameters": sum(p.numel() for m in pieces for p in m.parameters()) - pieces[-1].out.weight.numel(),
-                 "splits": {}, "replays": []}
-        for count in splits:
-            progress.set_description(f"{name}: {count} stages")
-            if count > cfg.layers:
-                entry["splits"][str(count)] = {"skipped": f"{count} stages need at least {count} blocks, "
-                                                          f"{name} has {cfg.layers}"}
-                continue
-            split = measure_split(stages_for(pieces, count, cfg, device, dtype), device, args.warmup, args.repeats,
-                                  progress)
-            split["pieces"] = [tinygpt.stage_pieces(len(pieces), s, count) for s in range(count)]
-            entry["splits"][str(count)] = split
-        for schedule, ranks in replay_cases:
-            progress.set_description(f"{name}: replay {schedule}, {ranks} ranks")
-            count = ranks * sim.SCHEDULES[schedule][1]
-            if count <= cfg.layers:
-                stages = stages_for(pieces, count, cfg, device, dtype)
-                try:
-                    peaks = replay(stages, schedule, ranks, args.replay_micro_batches, memory_meter(device, stages))
-                except splitgrad.ArgumentError as error:  # a micro-batch count torch's schedule refuses
-                    peaks = str(error)
-                except torch.cuda.OutOfMemoryError:
-                    peaks = "out of memory"
-                    splitgrad.backward_dw_all()  # the stashes of the B steps that ran: drop them
-                    torch.cuda.empty_cache()
-                if isinstance(peaks, list):
-                    entry["replays"].append({"schedule": schedule, "ranks": ranks,
-                                             "micro_batches": args.replay_micro_batches, "peak_bytes": peaks})
-                else:
-                    entry["replays"].append({"schedule": schedule, "ranks": ranks,
-                                             "micro_batches": args.replay_micro_batches, "error": peaks})
-            progress.update(1)
-        payload["models"][name] = entry
-        del pieces
+        try:
+            payload["models"][name] = measure_model(name, args, device, splits, replay_cases, progress)
+        except Exception:  # noqa: BLE001 - the other sizes still run; what failed is reported and in the JSON
+            failed[name] = traceback.format_exc()
+            print(f"\n{name}: FAILED\n{failed[name]}", file=sys.stderr, flush=True)
+            payload.setdefault("failed", {})[name] = failed[name]
+            try:
+                splitgrad.backward_dw_all()  # deferred work of the failed model's stages: let it go
+            except Exception:  # noqa: BLE001
+                pass
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        with open(path, "w") as f:  # after every model: what was measured survives a later failure
+            json.dump(payload, f, indent=1)
     progress.close()
     payload["seconds"] = round(time.time() - started, 1)
-    path = os.path.join(args.out, "stage_costs.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     print(f"stage costs, {payload['date']}, {payload['device']}, torch {payload['torch']}: {payload['timing']} "
@@ -490,7 +507,9 @@ def main(argv=None) -> int:
     for name, entry in payload["models"].items():
         print_model(name, entry)
     print(f"\n{path} ({payload['seconds']} s)")
-    return 0
+    if failed:
+        print(f"FAILED: {', '.join(failed)} (the tracebacks are above and in the JSON)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

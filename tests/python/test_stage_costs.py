@@ -230,3 +230,22 @@ def test_a_model_of_your_own():
     peaks = measure.replay(stages, "zb1p", 2, 4)
     assert len(peaks) == 2 and all(p >= a for p, a in zip(peaks, c["activation_bytes"]))
     assert splitgrad.pending_wgrads() == 0
+
+
+def test_a_failing_size_is_reported_and_the_others_kept(tmp_path, monkeypatch, capsys):
+    """On the device every size runs in one call: one that fails must not lose the others."""
+    measure = bench("measure_stage_costs")
+    build = measure.build_model
+
+    def failing(name, device, dtype):
+        if name == "small":
+            raise RuntimeError("no memory for small")
+        return build(name, device, dtype)
+
+    monkeypatch.setattr(measure, "build_model", failing)
+    assert measure.main(["--device", "cpu", "--model", "small", "tiny", "--ranks", "2", "--schedules", "1f1b",
+                         "--warmup", "0", "--repeats", "1", "--replay-ranks", "--quiet", "--out", str(tmp_path)]) == 1
+    payload = json.loads((tmp_path / "stage_costs.json").read_text())
+    assert list(payload["models"]) == ["tiny"] and "no memory for small" in payload["failed"]["small"]
+    captured = capsys.readouterr()
+    assert "FAILED: small" in captured.out and "small: FAILED" in captured.err
