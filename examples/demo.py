@@ -14,7 +14,15 @@ prints the bubble fraction of the chosen schedule next to 1F1B's (or --compare's
 timeline PNG and a loss-curve PNG.
 
     python examples/demo.py [--stages 2] [--schedule zb1p] [--compare 1f1b] [--steps 60]
-                            [--micro-batches 8] [--device cpu|cuda] [--dtype float32]
+                            [--micro-batches 8] [--model tiny|small|gpt2-medium|1b]
+                            [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+
+--model picks the model's shape (MODELS below); tiny (the default) runs in float32 on the CPU in
+seconds, the GPU sizes default to CUDA and bfloat16, one GPU per pipeline rank. In bfloat16 or
+float16 the training is Megatron's mixed precision: every parameter accumulates its gradient in an
+fp32 ``main_grad`` (splitgrad layers built with fuse_wgrad_accumulation=True inside their W step's
+GEMM) and the optimizer updates fp32 master copies. To measure every stage of a GPU-sized model on
+one GPU, in one process: benchmarks/measure_stage_costs.py.
 """
 
 from __future__ import annotations
@@ -52,6 +60,100 @@ SCHEDULES = {
     "interleaved-1f1b": (pipelining.ScheduleInterleaved1F1B, 2, "loop", "interleaved 1F1B"),
 }
 SINGLE_STAGE_CLASSES = (pipelining.Schedule1F1B, pipelining.ScheduleGPipe)
+
+#: --model name -> hidden size, attention heads, blocks, context, sequences per micro-batch and the
+#: vocabulary (None: the corpus's characters; 50304 is GPT-2's 50257 padded to a multiple of 64, so
+#: the embedding and the output layer weigh what a real tokenizer's would; the character ids of the
+#: corpus use its first rows). gpt2-medium is GPT-2 medium's shape (355M parameters); small is it
+#: with 16 blocks (254M), so that 8 ranks of 2 stages each still get a block per stage; 1b has
+#: GPT-3 XL's width and depth at twice GPT-2's context (1.32B). Every GPU size has 4096 tokens per
+#: micro-batch.
+MODELS = {
+    "tiny": dict(dim=128, heads=4, layers=4, context=64, batch=4, vocab=None),
+    "small": dict(dim=1024, heads=16, layers=16, context=1024, batch=4, vocab=50304),
+    "gpt2-medium": dict(dim=1024, heads=16, layers=24, context=1024, batch=4, vocab=50304),
+    "1b": dict(dim=2048, heads=16, layers=24, context=2048, batch=2, vocab=50304),
+}
+SHAPE_OPTIONS = ("dim", "heads", "layers", "context", "batch")
+
+
+def resolve_model(args, corpus_vocab: int) -> int:
+    """Fills the shape options, --device and --dtype the command line left out from --model's
+    preset; returns the vocabulary size."""
+    preset = MODELS[args.model]
+    for option in SHAPE_OPTIONS:
+        if getattr(args, option) is None:
+            setattr(args, option, preset[option])
+    if args.device is None:
+        args.device = "cpu" if args.model == "tiny" else "cuda"
+    if args.dtype is None:
+        args.dtype = "float32" if args.model == "tiny" else "bfloat16"
+    return max(preset["vocab"] or 0, corpus_vocab)
+
+
+def fused_linear_factory(device, dtype):
+    """The main job's projections: delayed splitgrad layers; below float32 they add their weight
+    gradients in fp32 into ``main_grad`` (fuse_wgrad_accumulation), which MainGradTrainer sets."""
+    fused = dtype != torch.float32
+
+    def delayed_linear(i, o, bias=True):
+        return splitgrad.Linear(i, o, bias, params_dtype=dtype, device=device, delay_wgrad_compute=True,
+                                fuse_wgrad_accumulation=fused)
+
+    return delayed_linear
+
+
+def attach_main_grads(modules) -> list[nn.Parameter]:
+    """Gives every parameter of ``modules`` (each once) an fp32 ``main_grad``. splitgrad layers with
+    fuse_wgrad_accumulation=True add their gradients to it themselves; every other parameter's
+    ``.grad`` is added to it by a post-accumulate-grad hook and dropped, so all gradients accumulate
+    over the micro-batches in fp32 (Megatron's contract). Returns the parameters."""
+    fused = {id(p) for m in modules for layer in m.modules()
+             if isinstance(layer, splitgrad.Linear) and layer.fuse_wgrad_accumulation
+             for p in layer.parameters(recurse=False)}
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+
+    def fold(param):
+        param.main_grad.add_(param.grad)
+        param.grad = None
+
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        if id(p) not in fused:
+            p.register_post_accumulate_grad_hook(fold)
+    return params
+
+
+class MainGradTrainer:
+    """SGD (momentum 0.9) on fp32 master copies of low-precision parameters, from their fp32
+    ``main_grad`` (attach_main_grads); the step copies the masters back and zeroes the main_grads."""
+
+    def __init__(self, params, lr: float) -> None:
+        self.params = list(params)
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.optimizer = torch.optim.SGD(self.masters, lr=lr, momentum=0.9)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, master in zip(self.params, self.masters):
+            master.grad = p.main_grad
+        self.optimizer.step()
+        for p, master in zip(self.params, self.masters):
+            p.copy_(master)
+            p.main_grad.zero_()
+            master.grad = None
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def make_trainer(modules, lr: float, dtype):
+    """The main job's optimizer: SGD with momentum 0.9, on fp32 masters below float32."""
+    if dtype == torch.float32:
+        params = list({id(p): p for m in modules for p in m.parameters()}.values())
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return MainGradTrainer(attach_main_grads(modules), lr)
 
 
 def micro_batch_problem(name: str, ranks: int, micro_batches: int) -> str | None:
@@ -91,6 +193,7 @@ def theoretical_bubble(name: str, ranks: int, micro_batches: int) -> float | Non
 
 
 def model_shape(args, vocab: int) -> dict:
+    """tinygpt.build_pieces's shape arguments."""
     return dict(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, context=args.context,
                 seed=args.seed)
 
@@ -103,13 +206,12 @@ def train_pipeline(rank: int, world: int, name: str, steps: int, args, data, voc
     stages_of = lambda r: sgp.stages_of_rank(r, world, per_rank, style)  # noqa: E731
     mine = stages_of(rank)
 
-    def delayed_linear(i, o, bias=True):
-        return splitgrad.Linear(i, o, bias, params_dtype=dtype, device=device, delay_wgrad_compute=True)
-
-    pieces = tinygpt.build_pieces(delayed_linear, **model_shape(args, vocab), device=device, dtype=dtype)
+    pieces = tinygpt.build_pieces(fused_linear_factory(device, dtype), **model_shape(args, vocab), device=device,
+                                  dtype=dtype)
     modules = {s: tinygpt.stage_module(pieces, s, num_stages) for s in mine}
     for s, module in modules.items():
         splitgrad.name_layers(module, prefix=f"stage{s}")
+    optimizer = make_trainer(list(modules.values()), args.lr, dtype)  # main_grads before TiedParameter
     stages = [sgp.PipelineStage(modules[s], s, num_stages, device) for s in mine]
     copies = [modules[0].get_submodule("0").tokens.weight] if 0 in modules else []
     if num_stages - 1 in modules:
@@ -122,9 +224,6 @@ def train_pipeline(rank: int, world: int, name: str, steps: int, args, data, voc
     timeline = sgp.StageTimeline(device)
     for stage in stages:
         stage.timeline = timeline
-    params = [p for m in modules.values() for p in m.parameters()]
-    optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9)
-
     has_first, has_last = 0 in modules, num_stages - 1 in modules
     losses, windows, marks = [], [], []
     show = has_last and rank == last_rank and not args.quiet
@@ -169,8 +268,8 @@ def worker(rank: int, world: int, args, out_dir: str) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=300),
                             device_id=device if backend == "nccl" else None)
     try:
-        tokenizer, data = tinygpt.load_corpus()
-        vocab = tokenizer.vocab_size
+        _, data = tinygpt.load_corpus()
+        vocab = args.vocab
         dtype = getattr(torch, args.dtype)
         runs = {}
         for name, steps in [(args.schedule, args.steps)] + [(c, args.timing_steps) for c in args.compare]:
@@ -198,7 +297,7 @@ def reference_run(args, data, vocab, device, dtype):
     pieces = tinygpt.build_pieces(plain_linear, **model_shape(args, vocab), device=device, dtype=dtype)
     tinygpt.tie(pieces)
     model = nn.Sequential(*pieces)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = make_trainer([model], args.lr, dtype)
     losses = []
     for step in tqdm(range(args.steps), desc="    plain autograd (1 process)", unit="step",
                      disable=args.quiet, mininterval=0.5):
@@ -303,20 +402,30 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps of --schedule")
     parser.add_argument("--timing-steps", type=int, default=10, help="steps of each --compare schedule")
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
-    parser.add_argument("--context", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--model", default="tiny", choices=list(MODELS),
+                        help="the model's shape: " + "; ".join(
+                            f"{k}: dim {v['dim']}, {v['heads']} heads, {v['layers']} blocks, context "
+                            f"{v['context']}, batch {v['batch']}, vocab {v['vocab'] or 'the corpus'}"
+                            for k, v in MODELS.items())
+                        + ". The options below override it. tiny runs on the CPU in float32, the others on "
+                          "CUDA in bfloat16 unless --device / --dtype say otherwise")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per micro-batch")
+    parser.add_argument("--context", type=int, default=None)
+    parser.add_argument("--dim", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None, help="transformer blocks")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (momentum 0.9)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="below float32: fp32 main_grad (fused in splitgrad's GEMMs) and fp32 master weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tolerance", type=float, default=None,
                         help="largest parameter difference accepted (default 1e-5 in float32, 5e-2 otherwise)")
     parser.add_argument("--out", default="out", help="folder for the PNGs")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    tokenizer, data = tinygpt.load_corpus()
+    args.vocab = resolve_model(args, tokenizer.vocab_size)
     args.compare = [c for c in args.compare.split(",") if c and c != args.schedule]
     for name in args.compare:
         if name not in SCHEDULES:
@@ -342,27 +451,32 @@ def main(argv=None) -> int:
         problem = micro_batch_problem(name, args.stages, args.micro_batches)
         if problem:
             parser.error(problem)
+    if args.context > len(data) - 2:
+        parser.error(f"--context {args.context} must be at most {len(data) - 2} "
+                     f"(the corpus has {len(data)} characters)")
     if args.device == "cuda" and torch.cuda.device_count() < args.stages:
-        parser.error(f"--device cuda needs {args.stages} GPUs, {torch.cuda.device_count()} are visible")
+        parser.error(f"--device cuda needs {args.stages} GPUs (one per pipeline rank), {torch.cuda.device_count()} "
+                     "are visible; benchmarks/measure_stage_costs.py measures every stage on one GPU")
     for name in [args.schedule, *args.compare]:
         if args.stages * SCHEDULES[name][1] > args.layers:
             parser.error(f"{name} on {args.stages} ranks has {args.stages * SCHEDULES[name][1]} stages: "
                          f"--layers must be at least that")
     tolerance = args.tolerance if args.tolerance is not None else (1e-5 if args.dtype == "float32" else 5e-2)
     world = args.stages
-    tokenizer, data = tinygpt.load_corpus()
     dtype = getattr(torch, args.dtype)
 
     label = SCHEDULES[args.schedule][3]
     print(f"splitgrad main job: {label} on {world} processes ({'NCCL' if args.device == 'cuda' else 'gloo'}), "
-          f"{args.layers} blocks of delayed splitgrad.Linear, embedding tied to the output layer across stages, "
+          f"model {args.model} (dim {args.dim}, {args.heads} heads, vocab {args.vocab}), "
+          f"{args.layers} blocks of delayed splitgrad.Linear{' with fp32 main_grad' if args.dtype != 'float32' else ''}, "
+          "embedding tied to the output layer across stages, "
           f"{args.micro_batches} micro-batches x {args.batch} x {args.context} tokens, {args.device}, {args.dtype}")
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(worker, args=(world, args, tmp), nprocs=world, join=True)
         per_rank_runs = torch.load(os.path.join(tmp, "result.pt"), weights_only=False)
 
     device = torch.device("cuda" if args.device == "cuda" else "cpu")
-    reference, reference_losses = reference_run(args, data, tokenizer.vocab_size, device, dtype)
+    reference, reference_losses = reference_run(args, data, args.vocab, device, dtype)
     main_runs = [r[args.schedule] for r in per_rank_runs]
     losses = next(r["losses"] for r in main_runs if r["losses"] is not None)
     params = {}

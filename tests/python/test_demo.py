@@ -59,6 +59,10 @@ def test_demo_refuses_an_output_folder_it_cannot_create(tmp_path):
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--tolerance", "nan"], "--tolerance must be a number, got nan"),
+    (["--model", "big"], "argument --model: invalid choice: 'big' (choose from 'tiny', 'small', 'gpt2-medium', '1b')"),
+    # a GPU size defaults to CUDA, one GPU per rank (64 are visible nowhere)
+    (["--model", "1b", "--stages", "64", "--micro-batches", "64", "--compare", ""],
+     "--device cuda needs 64 GPUs (one per pipeline rank)"),
 ])
 def test_demo_refuses_bad_options_up_front(tmp_path, args, expected):
     """Options the model or the schedules cannot take: a one-line argparse error (exit 2) before any
@@ -67,6 +71,32 @@ def test_demo_refuses_bad_options_up_front(tmp_path, args, expected):
     assert status == 2, printed
     assert f"demo.py: error: {expected}" in printed, printed
     assert "Traceback" not in printed and "splitgrad main job" not in printed, printed
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--model", "gpt2-medium", "--heads", "5"], "--heads 5 must divide --dim 1024"),
+    (["--model", "1b", "--device", "cpu", "--context", "4000"], "--context 4000 must be at most 3158"),
+    (["--model", "small", "--device", "cpu", "--stages", "32", "--micro-batches", "32", "--compare", ""],
+     "zb1p on 32 ranks has 32 stages: --layers must be at least that"),
+])
+def test_demo_model_presets_fill_the_shape(tmp_path, args, expected):
+    """--model sets the shape (gpt2-medium: dim 1024; small: 16 blocks) unless an option overrides
+    it; the checks see the preset's values."""
+    done = subprocess.run([sys.executable, str(DEMO), *args, "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    printed = done.stdout + done.stderr
+    assert done.returncode == 2, printed
+    assert f"demo.py: error: {expected}" in printed, printed
+
+
+def test_demo_bfloat16_trains_with_fp32_main_grad(tmp_path):
+    """Below float32 the job is Megatron's mixed precision (fp32 main_grad fused in the delayed
+    layers, fp32 master weights), in the pipeline and the reference alike: they agree."""
+    status, printed = run_demo("--dtype", "bfloat16", "--compare", "", "--out", str(tmp_path))
+    assert status == 0, printed
+    assert "delayed splitgrad.Linear with fp32 main_grad" in printed and "bfloat16" in printed
+    assert "PARITY OK" in printed
+    assert "copies on the first and the last stage are bit-identical" in printed
 
 
 def test_zero_bubble_example_script_trains_under_torchrun():
