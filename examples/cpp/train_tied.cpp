@@ -46,9 +46,12 @@ splitgrad::LinearOptions delayed(int64_t in, int64_t out, const char* name, torc
 // The model as a torch::nn::Module: its parameters() lists W twice (enc.weight and mid.weight).
 struct TiedMlpImpl : torch::nn::Module {
   explicit TiedMlpImpl(torch::Device device)
-      : enc(register_module("enc", splitgrad::Linear(delayed(kFeatures, kFeatures, "enc", device)))),
-        mid(register_module("mid", splitgrad::Linear(delayed(kFeatures, kFeatures, "mid", device)))),
-        head(register_module("head", splitgrad::Linear(delayed(kFeatures, kOutputs, "head", device)))) {
+      : enc(register_module("enc",
+                            splitgrad::Linear(delayed(kFeatures, kFeatures, "enc", device)))),
+        mid(register_module("mid",
+                            splitgrad::Linear(delayed(kFeatures, kFeatures, "mid", device)))),
+        head(register_module("head",
+                             splitgrad::Linear(delayed(kFeatures, kOutputs, "head", device)))) {
     mid->tie_weight(enc->weight);
   }
   torch::Tensor forward(const torch::Tensor& x) {
@@ -125,8 +128,9 @@ int main(int argc, char** argv) {
 
   // Each tensor once: given model->parameters(), SGD would step W twice.
   const std::vector<torch::Tensor> unique = splitgrad::unique_parameters(*model);
-  std::printf("splitgrad C++ example on %s: parameters() lists %zu tensors, unique_parameters() %zu\n",
-              cuda ? "cuda" : "cpu", model->parameters().size(), unique.size());
+  std::printf(
+      "splitgrad C++ example on %s: parameters() lists %zu tensors, unique_parameters() %zu\n",
+      cuda ? "cuda" : "cpu", model->parameters().size(), unique.size());
   // Guarded: step() and zero_grad() throw if deferred work feeding the parameters is still queued.
   splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
   splitgrad::GuardedOptimizer<torch::optim::SGD> optimizer(unique,
@@ -179,8 +183,8 @@ int main(int argc, char** argv) {
     if (pending != 0) fail("deferred wgrad items still pending before the optimizer step", pending);
     const double grad_diff = max_diff(grads(params), grads(reference.parameters()));
     if (!(grad_diff <= kBound)) fail("gradients differ from plain autograd's", grad_diff);
-    const bool hooks_ok =
-        std::all_of(ready_calls.begin(), ready_calls.end(), [](int n) { return n == kMicroBatches; });
+    const bool hooks_ok = std::all_of(ready_calls.begin(), ready_calls.end(),
+                                      [](int n) { return n == kMicroBatches; });
     if (!hooks_ok) fail("a grad-ready hook did not run once per micro-batch", 0);
     for (size_t i = 0; hooks_ok && i < params.size(); ++i) {
       const double early = (reduced[i] - params[i].grad()).abs().max().item<double>();
@@ -190,8 +194,8 @@ int main(int argc, char** argv) {
     optimizer.step();
     reference_optimizer.step();
     const double param_diff = max_diff(params, reference.parameters());
-    if (!(param_diff <= kBound)) fail("parameters after the step differ from plain autograd's",
-                                      param_diff);
+    if (!(param_diff <= kBound))
+      fail("parameters after the step differ from plain autograd's", param_diff);
     std::printf("%4d  %16.6f  %15.6f  %14.3e  %15.3e  %5s\n", step, loss_sum, reference_loss_sum,
                 grad_diff, param_diff, hooks_ok ? "ok" : "WRONG");
   }
