@@ -2,6 +2,13 @@
 /// \file deferred.h
 /// Deferred weight gradients: the layers that queue them, running them, and the per-parameter
 /// grad-ready hooks that data-parallel and sharded reducers hang their collectives on.
+///
+/// Errors from running deferred work (LayerHandle::backward_dw(), backward_dw_all()): if a tensor
+/// stashed for an item (its input or grad_output) was modified in place after the backward pass
+/// that queued it, that item is dropped (dropped_wgrads_for() counts it), nothing of the call runs
+/// and c10::Error is thrown naming the layer; the other items stay queued. An exception thrown by a
+/// grad-ready hook reaches the caller once the item that fired it has landed; the items not run
+/// yet stay queued. Either way no other gradient is lost.
 
 #include <ATen/core/Tensor.h>
 
@@ -18,13 +25,19 @@ namespace splitgrad {
 /// warning that names the layer: those contributions are lost).
 class LayerHandle {
  public:
+  /// Registers a layer with the process-wide deferred-wgrad store.
+  /// \param name the layer's name in messages (may be empty, and set later with set_name())
   explicit LayerHandle(std::string name);
+  /// Unregisters the layer (release()), warning (TORCH_WARN) with its name if work was pending.
   ~LayerHandle();
   LayerHandle(const LayerHandle&) = delete;
   LayerHandle& operator=(const LayerHandle&) = delete;
 
+  /// The layer's id: the `layer_id` to give ops::linear(). Positive (0 means "no layer" there).
   int64_t id() const { return id_; }
+  /// The name used in messages about this layer.
   std::string name() const;
+  /// Renames the layer (in later messages).
   void set_name(std::string name);
   /// Unregisters the layer now (the destructor does it otherwise): frees the tensors of the work it
   /// still had queued and returns how many items that was. Idempotent.
@@ -33,14 +46,16 @@ class LayerHandle {
   int64_t pending() const;
   /// Runs this layer's deferred wgrad for the oldest backward pass still pending: all of that
   /// pass's items (a layer applied several times in one forward queues one item per application).
-  /// Throws c10::Error naming the layer if nothing is pending.
+  /// Throws c10::Error naming the layer if nothing is pending, and as the file comment says.
   void backward_dw();
   /// The backward passes (autograd graph tasks) that have work queued for this layer, oldest
   /// first. A pipeline stage diffs this before and after its B step to learn which pass that was.
   std::vector<int64_t> pending_passes() const;
   /// Runs this layer's deferred wgrad queued by backward pass `pass` (one of pending_passes()),
   /// whatever is older: a pipeline's W step for the micro-batch the schedule names. Throws
-  /// c10::Error naming the layer and the pass if that pass queued nothing for it.
+  /// c10::Error naming the layer and the pass if that pass queued nothing for it, and as the file
+  /// comment says.
+  /// \param pass an id from pending_passes()
   void backward_dw(int64_t pass);
 
  private:
@@ -53,9 +68,11 @@ class LayerHandle {
 /// call began is waited for, not skipped. "All" is process-wide: from several threads that each
 /// train their own model, use the overload below with the model's parameters, so that each thread
 /// runs (and its hooks see) only its own model's work. Two calls never write one gradient at once.
+/// Nothing pending: returns at once. Throws as the file comment says.
 void backward_dw_all();
 /// Runs the pending deferred wgrad that feeds any of `params` (one model's work, for instance),
 /// oldest first, waiting as above for such work already taken by another thread.
+/// \param params the parameters whose work to run; empty: all (as backward_dw_all())
 void backward_dw_all(const std::vector<at::Tensor>& params);
 
 /// How many deferred wgrad items are waiting (all layers).
@@ -63,11 +80,13 @@ int64_t pending_wgrads();
 
 /// Deferred contributions still owed to `param`: queued by backward passes and not yet landed
 /// (an item taken by a running backward_dw() counts until it has been added).
+/// Throws c10::ValueError if `param` is undefined.
 int64_t pending_wgrads_for(const at::Tensor& param);
 
 /// Deferred contributions to `param` dropped so far (an item whose stashed tensor was modified in
 /// place, a layer deleted with work pending). Never decreases while `param` lives: a reducer
 /// compares it before and after a step to know that a gradient is incomplete.
+/// Throws c10::ValueError if `param` is undefined.
 int64_t dropped_wgrads_for(const at::Tensor& param);
 
 /// Names of the layers with pending work; with `params` non-empty, only the layers whose pending
@@ -75,26 +94,35 @@ int64_t dropped_wgrads_for(const at::Tensor& param);
 std::vector<std::string> layers_with_pending_wgrads(const std::vector<at::Tensor>& params = {});
 
 /// What check_pending_wgrads() does when deferred work is pending.
-enum class PendingWorkPolicy { kWarn, kError };
-/// Process-wide; the default is kWarn. (The Python package has its own, set_pending_work_policy.)
+enum class PendingWorkPolicy {
+  kWarn,   ///< TORCH_WARN, and go on
+  kError,  ///< throw c10::Error
+};
+/// Sets the policy, process-wide; the default is kWarn. (The Python package has its own,
+/// splitgrad.set_pending_work_policy.)
 void set_pending_work_policy(PendingWorkPolicy policy);
+/// The policy set by set_pending_work_policy().
 PendingWorkPolicy pending_work_policy();
 /// The pending-work guard: if deferred work feeding `params` (any, when empty) is still queued,
 /// warns (TORCH_WARN) or throws c10::Error, per the policy, naming the layers. `action` names what
 /// was about to happen ("optimizer step"). Call it before anything that reads or clears gradients
 /// (an optimizer step, zero_grad, a checkpoint); splitgrad::GuardedOptimizer and
-/// splitgrad::Linear's save() call it for you.
+/// splitgrad::Linear's save() call it for you. Throws c10::Error only under kError.
 void check_pending_wgrads(const std::string& action, const std::vector<at::Tensor>& params = {});
 
-/// Called with the parameter once all of a backward pass's contributions to it have landed.
+/// Called with the parameter once all of a backward pass's contributions to it have landed, in the
+/// thread that landed the last one. An exception it throws reaches that call's caller.
 using GradReadyHook = std::function<void(const at::Tensor& param)>;
 
 /// A registered grad-ready hook; remove() unregisters it (idempotent). Destroying the handle does
 /// not remove the hook.
 class GradReadyHookHandle {
  public:
+  /// A handle to no hook (active() is false).
   GradReadyHookHandle() = default;
+  /// Unregisters the hook: it is not called again. Idempotent; a no-op once the parameter is gone.
   void remove();
+  /// Whether this handle still holds a hook (registered and not remove()d).
   bool active() const { return state_ != nullptr; }
 
  private:
@@ -107,15 +135,18 @@ class GradReadyHookHandle {
 /// contribution of that pass has landed — immediate (autograd, regular layers) or deferred
 /// (backward_dw), from any layer or ordinary autograd op. Passes that write no gradient
 /// (autograd::grad) do not call it. `param` must be a leaf that requires grad; the hook is
-/// dropped with it (neither the hook nor its handle keeps `param` alive).
+/// dropped with it (neither the hook nor its handle keeps `param` alive). Several hooks on one
+/// parameter run in the order registered. Throws c10::ValueError if `param` is undefined or not a
+/// leaf that requires grad.
+/// \return the handle that removes the hook
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
 
 /// Sets where a parameter's fp32 gradient buffer lives for fuse_wgrad_accumulation (Megatron's
 /// `param.main_grad`) for C++ callers. An undefined `main_grad` clears it. `param` must be a leaf
 /// that requires grad, `main_grad` an fp32 tensor of its shape on its device (c10::ValueError
-/// otherwise).
+/// otherwise). The table holds `param` weakly: the entry goes with the parameter.
 void set_main_grad(const at::Tensor& param, const at::Tensor& main_grad);
-/// The buffer set by set_main_grad(), or an undefined tensor.
+/// The buffer set by set_main_grad() for `param`, or an undefined tensor if none is.
 at::Tensor main_grad(const at::Tensor& param);
 
 /// Called with each parameter right after a wgrad was accumulated into its main_grad, for C++

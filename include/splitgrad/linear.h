@@ -22,9 +22,12 @@ namespace splitgrad {
 /// splitgrad::Linear fc(splitgrad::LinearOptions(1024,
 /// 4096).bias(false).delay_wgrad_compute(true)); \endcode
 struct LinearOptions {
+  /// Both must be positive (checked when the layer is built).
   LinearOptions(int64_t in_features, int64_t out_features)
       : in_features_(in_features), out_features_(out_features) {}
+  /// Size of the last dimension of the input.
   TORCH_ARG(int64_t, in_features);
+  /// Size of the last dimension of the output.
   TORCH_ARG(int64_t, out_features);
   /// Whether the layer has a bias.
   TORCH_ARG(bool, bias) = true;
@@ -33,7 +36,7 @@ struct LinearOptions {
   /// Accumulate the weight gradient into the fp32 buffer set with set_main_grad() instead of
   /// `.grad` (Megatron's main_grad); the bias's too if it has one, else into the bias's `.grad`.
   TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
-  /// Parameter dtype (default: torch's default dtype).
+  /// Parameter dtype, a floating-point one (default: torch's default dtype).
   TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
   /// Parameter device (default: CUDA when available, else the CPU).
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
@@ -41,25 +44,44 @@ struct LinearOptions {
   TORCH_ARG(std::string, name) = "";
 };
 
+/// A linear layer, y = x·Wᵀ + b, whose gradients equal torch::nn::Linear's under plain autograd
+/// for any tying, reuse, micro-batching and order of backward_dw() calls. Use it through the
+/// module holder splitgrad::Linear. Its backward computes the input gradient at once; the weight
+/// and bias gradients too, unless built with delay_wgrad_compute, which queues them for
+/// backward_dw() (or splitgrad::backward_dw_all()).
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
  public:
+  /// LinearOptions(in_features, out_features) with the defaults.
   LinearImpl(int64_t in_features, int64_t out_features)
       : LinearImpl(LinearOptions(in_features, out_features)) {}
+  /// Builds the layer (reset()). Throws c10::ValueError for a non-positive size and
+  /// c10::TypeError for a params_dtype that is not floating-point.
   explicit LinearImpl(const LinearOptions& options);
 
-  /// Creates the parameters (as nn.Linear initialises them) and registers the layer.
+  /// Creates the parameters (as nn.Linear initialises them) and registers the layer with the
+  /// deferred-wgrad store (a fresh registration: work queued by the old one is dropped, with a
+  /// warning). Throws as the constructor does.
   void reset() override;
+  /// Re-initialises the parameters in place as torch::nn::Linear does: weight kaiming-uniform
+  /// (a = √5), bias uniform in ±1/√in_features.
   void reset_parameters();
+  /// Prints "splitgrad::Linear(in_features=…, out_features=…, bias=…, delay_wgrad_compute=…,
+  /// fuse_wgrad_accumulation=…)".
   void pretty_print(std::ostream& stream) const override;
 
-  /// y = x·Wᵀ + b for x of shape [*, in_features].
+  /// y = x·Wᵀ + b for x of shape [*, in_features], of the weight's dtype (or autocast's) and
+  /// device. Throws c10::ValueError / c10::TypeError / c10::Error naming the layer for an
+  /// undefined input, a wrong shape, dtype or device, or, with fuse_wgrad_accumulation, a weight
+  /// without a main_grad (set_main_grad()).
   torch::Tensor forward(const torch::Tensor& input);
 
   /// Runs this layer's deferred wgrad for the oldest backward pass still pending. Does nothing for
-  /// a layer built with delay_wgrad_compute=false; throws if a delayed layer has nothing pending.
+  /// a layer built with delay_wgrad_compute=false; throws c10::Error if a delayed layer has
+  /// nothing pending (see LayerHandle::backward_dw() for the other errors).
   void backward_dw();
   /// Runs this layer's deferred wgrad queued by backward pass `pass` (see pending_passes()):
-  /// a pipeline's W step for one named micro-batch. Does nothing for a regular layer.
+  /// a pipeline's W step for one named micro-batch. Does nothing for a regular layer; throws
+  /// c10::Error if that pass queued nothing for a delayed one.
   void backward_dw(int64_t pass);
   /// The backward passes with work queued for this layer, oldest first.
   std::vector<int64_t> pending_passes() const;
@@ -70,12 +92,14 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// parameter, and every contribution to it accumulates. `weight` must be a leaf tensor (a
   /// parameter, not a view such as `other->weight.t()`) of this layer's shape, dtype and device.
   /// The module's parameters() then lists the shared tensor once per layer: give an optimizer
-  /// unique_parameters(model) so that it is not stepped twice.
+  /// unique_parameters(model) so that it is not stepped twice. Throws c10::ValueError (shape,
+  /// device, undefined or non-leaf tensor) or c10::TypeError (dtype) naming the layer.
   void tie_weight(const torch::Tensor& weight);
-  /// Likewise for the bias (this layer must have one).
+  /// Likewise for the bias; throws c10::ValueError if this layer was built with bias=false.
   void tie_bias(const torch::Tensor& bias);
 
-  /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters (TE's name).
+  /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters that requires
+  /// grad (TE's name); see register_grad_ready_hook(). These hooks cannot be removed.
   void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
 
   /// A deep copy with a registration (and, for a named layer, a name "<name>#<id>") of its own.
@@ -86,8 +110,11 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// Runs the pending-work guard first (also when called on a module that holds this layer).
   void zero_grad(bool set_to_none = true) override;
 
+  /// The options the layer was built with.
   LinearOptions options;
+  /// W, [out_features, in_features] (registered as "weight"; tie_weight() replaces it).
   torch::Tensor weight;
+  /// b, [out_features], or an undefined tensor for bias=false (registered as "bias").
   torch::Tensor bias;
 
  private:

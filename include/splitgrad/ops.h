@@ -3,6 +3,11 @@
 /// The linear-layer operators, called through the PyTorch dispatcher (so autograd, tracing and
 /// torch.compile see them). Shapes: `input` [*, in_features], `weight` [out_features, in_features],
 /// `bias` [out_features], `grad_output` [*, out_features] with the same leading dims as `input`.
+///
+/// Every operator checks its arguments and throws, naming the operator (or the layer), what it
+/// expected and what it got: c10::ValueError for a shape, c10::TypeError for a dtype (weights are
+/// floating-point; the input, bias and grad_output have the weight's dtype, or autocast's for the
+/// input), c10::Error for tensors on different devices.
 
 #include <ATen/core/Tensor.h>
 
@@ -16,7 +21,7 @@ namespace splitgrad::ops {
 /// \param input  x, [*, in_features]
 /// \param weight W, [out_features, in_features]
 /// \param bias   b, [out_features], or nullopt
-/// \return y, [*, out_features]
+/// \return y, [*, out_features] (no autograd: see linear() for the differentiable op)
 at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias);
 
@@ -45,11 +50,19 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 
 /// The differentiable linear layer: y = x·Wᵀ + b, whose backward computes dgrad at once and the
 /// weight/bias gradients either at once (delay_wgrad_compute=false) or queued for backward_dw().
+/// Throws as the file comment says, and c10::ValueError for a main_grad of the wrong shape, dtype
+/// (fp32 only) or device, a bias_main_grad without a bias, or delay_wgrad_compute with an
+/// unregistered layer_id; c10::Error in a backward with create_graph=True under
+/// fuse_wgrad_accumulation (main_grad is not differentiable), and when a delayed layer would queue
+/// work inside a traced graph (torch.compile).
 /// \param weight_main_grad fp32 [out_features, in_features] buffer the weight gradient is added to
 ///        (fuse_wgrad_accumulation), or nullopt to accumulate into weight.grad
 /// \param bias_main_grad   likewise for the bias; with nullopt the bias gradient goes to bias.grad
 /// \param layer_id         the layer registered with the deferred-wgrad store (0: none; then
 ///        delay_wgrad_compute must be false)
+/// \param delay_wgrad_compute queue the weight/bias gradient for backward_dw() instead of
+///        computing it in backward
+/// \return y, [*, out_features]
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& weight_main_grad,

@@ -25,13 +25,18 @@ namespace splitgrad {
 template <class Optimizer>
 class GuardedOptimizer : public Optimizer {
  public:
+  /// The wrapped optimizer's constructors (parameters, options).
   using Optimizer::Optimizer;
 
+  /// check_pending_wgrads() over this optimizer's parameters, then Optimizer::step().
+  /// Throws c10::Error (kError policy) before stepping anything; the work stays queued.
   torch::Tensor step(torch::optim::Optimizer::LossClosure closure = nullptr) override {
     check_pending_wgrads(name() + "::step()", params());
     return Optimizer::step(std::move(closure));
   }
 
+  /// check_pending_wgrads() over this optimizer's parameters, then Optimizer::zero_grad().
+  /// Throws c10::Error (kError policy) before clearing anything; the work stays queued.
   void zero_grad(bool set_to_none = true) {
     check_pending_wgrads(name() + "::zero_grad()", params());
     Optimizer::zero_grad(set_to_none);

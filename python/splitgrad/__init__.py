@@ -4,6 +4,8 @@
 delayed-wgrad API (``delay_wgrad_compute=True``, ``backward_dw()``, ``fuse_wgrad_accumulation``).
 """
 
+import os as _os
+
 import torch  # noqa: F401  (loads libtorch before the extension that links it)
 
 from . import _C  # registers torch.ops.splitgrad.* and the deferred-wgrad store
@@ -31,6 +33,11 @@ def __getattr__(name):
 
 
 __version__ = "0.1.0"
+
+# The folder holding splitgrad's CMake package (splitgradConfig.cmake; the headers and libsplitgrad
+# lie next to it in this package), for a C++ program: add it to CMAKE_PREFIX_PATH, next to
+# torch.utils.cmake_prefix_path, and find_package(splitgrad).
+cmake_prefix_path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "share", "cmake")
 
 __all__ = [
     "Linear",
