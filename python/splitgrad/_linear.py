@@ -10,8 +10,7 @@ from typing import Callable
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import nn
-from torch._C._functorch import TransformType, peek_interpreter_stack
-from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, peek_interpreter_stack
 
 from . import _C
 from ._deferred import check_no_pending, register_grad_ready_hook
@@ -47,16 +46,27 @@ def _exporting() -> bool:
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
-def _differentiated_functionally() -> bool:
-    """Whether gradients are taken by a torch.func transform (grad, vjp, jacrev, jvp, jacfwd) or by
-    forward-mode AD: PyTorch runs no C++ autograd Function there, and no ``.grad`` is written, so
-    there is nothing to defer or fuse."""
-    if forward_ad._current_level >= 0:
-        return True
-    if peek_interpreter_stack() is None:  # no transform: the common case, one cheap call
+def _differentiated_functionally(*tensors: torch.Tensor | None) -> bool:
+    """Whether a torch.func transform (grad, vjp, jacrev, jvp, vmap, ...) is running, or forward-mode
+    AD carries a tangent on one of ``tensors``: PyTorch runs no C++ autograd Function there, and
+    the gradients are returned, not accumulated, so there is nothing to defer or fuse. Traceable by
+    """
+    if torch.compiler.is_compiling():
+        # Dynamo misreads the functorch interpreter stack outside transforms: compiled code takes
+        # the op (README: torch.compile of a transform over a splitgrad layer is not supported).
         return False
-    return any(i.key() in (TransformType.Grad, TransformType.Jvp)
-               for i in retrieve_all_functorch_interpreters())
+    if peek_interpreter_stack() is not None:
+        return True
+    if forward_ad._current_level < 0:  # the common case: no dual level
+        return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def _base_of(t: torch.Tensor) -> torch.Tensor:
+    """The tensor under torch.func's wrappers."""
+    while is_functorch_wrapped_tensor(t):
+        t = get_unwrapped(t)
+    return t
 
 
 @torch.compiler.disable(
@@ -186,8 +196,7 @@ class Linear(nn.Module):
         bias = None if self.return_bias else self.bias
         weight_main_grad = bias_main_grad = None
         exporting = _exporting()
-        # Dynamo handles torch.func transforms of compiled code itself.
-        functional = not exporting and not torch.compiler.is_compiling() and _differentiated_functionally()
+        functional = not exporting and _differentiated_functionally(inp, self.weight, bias)
         # export records an unfused call; functional gradients are returned, not accumulated
         if self.fuse_wgrad_accumulation and not exporting and not functional:
             weight_main_grad = self._main_grad_of(self.weight, "weight")
@@ -196,11 +205,8 @@ class Linear(nn.Module):
         try:
             if exporting:
                 out = self._regular_unregistered(inp, bias)
-            elif functional:  # nn.Linear's own differentiable op
-                # Autocast casts a floating input to its dtype before the product.
-                cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
-                _C.check_linear_args(self._layer_id, inp, self.weight, bias, inp.dtype if cast else None)
-                out = nn.functional.linear(inp, self.weight, bias)
+            elif functional:
+                out = self._functional(inp, bias)
             elif (self.delay_wgrad_compute or self.fuse_wgrad_accumulation) and torch.compiler.is_compiling():
                 out = _linear_outside_graph(
                     inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,
@@ -219,6 +225,21 @@ class Linear(nn.Module):
             raise kind(str(error)) from None
         except TypeError as error:
             raise DTypeError(str(error)) from None
+
+    def _functional(self, inp, bias):
+        # Under a torch.func transform or forward-mode AD: nn.Linear's own differentiable op.
+        if not torch.compiler.is_compiling():  # (checks and warnings would break the graph)
+            # Autocast casts a floating input to its dtype before the product.
+            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
+            _C.check_linear_args(self._layer_id, inp, self.weight, bias, inp.dtype if cast else None)
+            if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(self.weight).requires_grad:
+                warnings.warn(
+                    f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "
+                    "transform or forward-mode AD with its own parameters: a backward through this "
+                    "call outside the transform adds its gradient to weight.grad, not main_grad. "
+                    "Pass the parameters through torch.func.functional_call, or fold .grad into main_grad.",
+                    stacklevel=3)
+        return nn.functional.linear(inp, self.weight, bias)
 
     def _regular_unregistered(self, inp, bias):
         # A graph meant to outlive this process (torch.export, torch.jit.trace) records a

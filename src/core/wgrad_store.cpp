@@ -163,7 +163,10 @@ std::vector<DeferredWgrad> WgradStore::take_feeding(const std::vector<at::Tensor
   for (auto& [layer, queue] : queues_) {
     auto& items = queue.items;
     auto keep = std::stable_partition(items.begin(), items.end(), [&](const DeferredWgrad& item) {
-      return !feeds(item, params);
+      // An item whose parameters are all freed feeds no one: any call takes it, so that it is
+      // reported and its stash freed rather than kept until its layer goes.
+      // (expired() reads a count: no parameter is revived, and maybe freed, under the mutex.)
+      return !feeds(item, params) && !(item.weight.expired() && item.bias.expired());
     });
     for (auto it = keep; it != items.end(); ++it) {
       if (--queue.per_pass[it->pass] == 0) queue.per_pass.erase(it->pass);

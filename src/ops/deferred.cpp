@@ -435,6 +435,17 @@ void keep_until_read(const DeferredWgrad& item) {
   }
 }
 
+// `target` (weak) named a parameter when the item was queued, and `locked` finds it freed.
+void warn_if_freed(const DeferredWgrad& item, const core::WeakTensor& target,
+                   const at::Tensor& locked, const char* what) {
+  if (locked.defined() || target._unsafe_get_target() == c10::UndefinedTensorImpl::singleton())
+    return;
+  TORCH_WARN(detail::layer_label(item.layer), ": the ", what,
+             " parameter its deferred weight gradient was for was freed before backward_dw() ran "
+             "it; that contribution was dropped. Keep a parameter alive until the deferred work "
+             "feeding it has run.");
+}
+
 void drop(const DeferredWgrad& item) {
   for (const auto& target : item.targets())
     GradLedger::instance().deferred_dropped(target, item.pass);
@@ -475,8 +486,11 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
   for (size_t i = 0; i < runnable.size(); ++i) {
     DeferredWgrad& item = runnable[i];
     try {
-      // Parameters freed since the item was queued get nothing (their main_grad neither).
+      // Parameters freed since the item was queued get nothing (their main_grad neither); the
+      // contribution is reported, not lost silently.
       const at::Tensor weight(item.weight.lock()), bias(item.bias.lock());
+      warn_if_freed(item, item.weight, weight, "weight");
+      warn_if_freed(item, item.bias, bias, "bias");
       if (weight.defined() || bias.defined()) {
         detail::accumulate_wgrad(
             item.grad_output, item.input,

@@ -65,6 +65,9 @@ PYBIND11_MODULE(_C, m) {
       .def("backward_dw",
            [](splitgrad::LayerHandle& self) {
              HANDLE_TH_ERRORS
+             // It may wait for another thread running this layer's work, which needs the GIL
+             // (hooks, and freeing stashed tensors that had Python objects).
+             py::gil_scoped_release no_gil;
              self.backward_dw();
              END_HANDLE_TH_ERRORS_PYBIND
            })
@@ -73,6 +76,7 @@ PYBIND11_MODULE(_C, m) {
           "backward_dw_pass",
           [](splitgrad::LayerHandle& self, int64_t pass) {
             HANDLE_TH_ERRORS
+            py::gil_scoped_release no_gil;  // as backward_dw()
             self.backward_dw(pass);
             END_HANDLE_TH_ERRORS_PYBIND
           },

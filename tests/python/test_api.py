@@ -4,6 +4,9 @@ deepcopy), name_layers, and ``import splitgrad as te`` as a drop-in."""
 import copy
 import inspect
 import math
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
@@ -273,3 +276,37 @@ def test_two_threads_each_run_their_own_models_work():
                 layer.backward_dw()
         for p, q in zip(models[i].parameters(), references[i].parameters()):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_layers_backward_dw_waits_for_its_work_in_another_thread_without_holding_the_gil():
+    """Thread A's backward_dw_all() holds l1's item while blocked in a hook; the main thread's
+    l1.backward_dw() waits for it to land. It must wait without the GIL: A's hook and the freeing of
+    its stashed tensors need it. Run in a subprocess, so that a deadlock fails the test."""
+    script = textwrap.dedent("""
+        import threading, torch, splitgrad
+        l1 = splitgrad.Linear(8, 16, device="cpu", delay_wgrad_compute=True, name="l1")
+        big = splitgrad.Linear(16, 16, device="cpu", delay_wgrad_compute=True, name="big")
+        reference = [p.detach().clone().requires_grad_() for p in (l1.weight, l1.bias)]
+        x = torch.randn(32, 8)
+        big(l1(x)).sum().backward()  # queues big's item, then l1's
+        entered, release = threading.Event(), threading.Event()
+        def hook(param):
+            entered.set()
+            release.wait()
+        handle = splitgrad.register_grad_ready_hook(big.weight, hook)
+        a = threading.Thread(target=splitgrad.backward_dw_all)
+        a.start()
+        entered.wait()
+        assert splitgrad.pending_wgrads() == 1 and l1.pending_wgrads() == 1
+        threading.Timer(0.2, release.set).start()
+        l1.backward_dw()  # waits for A to land l1's item
+        assert l1.pending_wgrads() == 0
+        a.join()
+        y = torch.nn.functional.linear(x, *reference)
+        (y @ big.weight.detach().t() + big.bias.detach()).sum().backward()
+        torch.testing.assert_close(l1.weight.grad, reference[0].grad, rtol=0, atol=0)
+        torch.testing.assert_close(l1.bias.grad, reference[1].grad, rtol=0, atol=0)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

@@ -455,6 +455,22 @@ def test_pending_work_of_a_freed_tied_parameter_is_skipped():
     torch.testing.assert_close(b.bias.grad, torch.full((D,), 2.0), rtol=0, atol=0)
 
 
+def test_work_for_a_freed_parameter_is_reported_and_taken_by_any_call():
+    # A gather/release pattern: the parameter the work was for is gone when the W step runs. The
+    # contribution cannot land: it is reported, and the per-model call takes the orphaned item
+    # (its stash freed) instead of leaving it queued until the layer goes.
+    model = nn.Sequential(layer(True, bias=False, name="gathered"))
+    for _ in range(3):
+        model[0].weight = nn.Parameter(torch.randn(D, D))
+        model(torch.randn(2, D)).sum().backward()
+        model[0].weight = nn.Parameter(torch.zeros(D, D))  # the gathered one is released
+        gc.collect()
+        with pytest.warns(UserWarning, match="'gathered': the weight parameter .* was freed"):
+            splitgrad.backward_dw_all(model.parameters())
+        assert splitgrad.pending_wgrads() == 0
+        assert model[0].weight.grad is None
+
+
 def test_hook_handles_remove_and_copies_carry_no_hooks():
     model = layer(False)
     fired = []
@@ -581,6 +597,56 @@ def test_torch_func_transforms_match_nn_linear(delay, fused):
     assert model.weight.grad is None and model.bias.grad is None
     if fused:
         assert not model.weight.main_grad.any() and not model.bias.main_grad.any()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_dual_level_without_tangents_changes_nothing(fused):
+    # Forward-mode AD elsewhere in the step (a JVP regulariser): a layer whose tensors carry no
+    # tangent defers and fuses as usual.
+    model = layer(True, fuse_wgrad_accumulation=fused)
+    if fused:
+        model.weight.main_grad = torch.zeros(D, D)
+        model.bias.main_grad = torch.zeros(D)
+    twin = plain_twin(model)
+    x = torch.randn(3, D)
+    with torch.autograd.forward_ad.dual_level():
+        model(x).pow(2).sum().backward()
+    assert splitgrad.pending_wgrads() == 1
+    model.backward_dw()
+    twin(x).pow(2).sum().backward()
+    if fused:
+        torch.testing.assert_close(model.weight.main_grad, twin.weight.grad)
+        assert model.weight.grad is None
+    else:
+        exact(model.weight.grad, twin.weight.grad)
+
+
+def test_fused_layer_differentiated_at_both_levels_says_where_the_gradient_goes():
+    # A physics-informed loss: u = f(x) and du = vmap(grad(f))(x), then loss(u, du).backward(). The
+    # du part reaches the parameters through F.linear, i.e. .grad: a warning says so; the sum of
+    # .grad and main_grad is plain autograd's.
+    model = layer(False, fuse_wgrad_accumulation=True, name="pinn")
+    model.weight.main_grad = torch.zeros(D, D)
+    model.bias.main_grad = torch.zeros(D)
+    twin = plain_twin(model)
+    x = torch.randn(4, D)
+
+    def loss(module):
+        du = torch.func.vmap(torch.func.grad(lambda xi: torch.tanh(module(xi)).sum()))(x)
+        return module(x).pow(2).sum() + du.pow(2).sum()
+
+    with pytest.warns(UserWarning, match="'pinn' .* adds its gradient to weight.grad, not main_grad"):
+        loss(model).backward()
+    loss(twin).backward()
+    torch.testing.assert_close(model.weight.main_grad + model.weight.grad, twin.weight.grad)
+
+
+def test_vmap_of_the_forward_matches_nn_linear():
+    model = layer(True)
+    twin = plain_twin(model)
+    x = torch.randn(3, 2, D)
+    exact(torch.func.vmap(model)(x), torch.func.vmap(twin)(x))
+    assert splitgrad.pending_wgrads() == 0
 
 
 def test_torch_func_forward_checks_arguments_naming_the_layer():
