@@ -333,6 +333,19 @@ class InFlight {
     });
   }
 
+  // Whether this thread has work of `layer` in flight (a hook calling backward_dw() from inside
+  // a backward_dw_all()): for the message of a call that finds nothing.
+  bool this_thread_runs(core::LayerId layer) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, batch] : batches_) {
+      if (batch.thread != std::this_thread::get_id()) continue;
+      for (const auto& entry : batch.entries) {
+        if (!entry.settled && entry.layer == layer) return true;
+      }
+    }
+    return false;
+  }
+
   // Items queued or in flight, in all layers or in one. Read under this class's mutex, which
   // every take holds, so an item moving from the store to a batch is counted exactly once.
   size_t pending() {
@@ -567,6 +580,10 @@ void LayerHandle::backward_dw() {
     InFlight::instance().wait_for(others);
     return;
   }
+  TORCH_CHECK(!items.empty() || !InFlight::instance().this_thread_runs(id_), detail::layer_label(id_),
+              ": backward_dw() was called while this thread is running this layer's deferred work "
+              "(a grad-ready hook calling backward_dw() from inside backward_dw_all()?); that work "
+              "lands when the running call reaches it.");
   TORCH_CHECK(!items.empty(), detail::layer_label(id_),
               ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
               "this layer (run a backward pass through it first, or check that it was built with "

@@ -165,6 +165,22 @@ TEST_F(ApiTest, WorkAnotherThreadTookCountsAsPendingAndALayersBackwardDwWaitsFor
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
 }
 
+// A grad-ready hook that calls a layer's backward_dw() while this thread's backward_dw_all() holds
+// that layer's work is told so (not "nothing queued"); the work still lands.
+TEST_F(ApiTest, BackwardDwFromAHookOfTheRunningCallSaysWhy) {
+  Linear a(opts(4, 4).delay_wgrad_compute(true).name("a"));
+  Linear b(opts(4, 4).delay_wgrad_compute(true).name("b"));
+  b(a(torch::randn({2, 4}))).sum().backward();  // queues b's item, then a's
+  std::string message;
+  auto handle = splitgrad::register_grad_ready_hook(
+      b->weight, [&](const at::Tensor&) { message = error_message([&] { a->backward_dw(); }); });
+  splitgrad::backward_dw_all();
+  handle.remove();
+  EXPECT_CONTAINS(message, "while this thread is running this layer's deferred work");
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  EXPECT_TRUE(a->weight.grad().defined());
+}
+
 // Two threads, each training a model of its own (delayed, tied layers) next to plain autograd:
 // every step's gradients equal autograd's (to float32 reassociation), whether each thread calls the
 // process-wide backward_dw_all() or the one over its own model's parameters.
