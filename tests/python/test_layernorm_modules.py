@@ -532,3 +532,47 @@ def test_import_splitgrad_as_te():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert splitgrad.pending_wgrads() == 0
+
+
+# 9. What the backward keeps ----------------------------------------------------------------------
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for the backward in a forward of ``model``,
+    parameters excluded (they exist anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    loss_of(out).backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_backward_keeps_no_more_than_plain_pytorch(activation, normalization):
+    """The norm's output is saved once (fc1's input), fc1's output once (the activation's input):
+    the same storages plain PyTorch saves for the same block."""
+    model = make("mlp", activation=activation, normalization=normalization, delay_wgrad_compute=True)
+    reference = to_reference(model)
+    x = torch.randn(16, H, requires_grad=True)
+    got = saved_activation_bytes(model, x)
+    model.backward_dw()
+    want = saved_activation_bytes(reference, x)
+    assert 0 < got <= want, (got, want)
+
+
+def test_jit_trace_records_regular_calls_and_script_is_refused():
+    model = make("linear", delay_wgrad_compute=True, name="qkv")
+    x = torch.randn(3, H)
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    traced(x).sum().backward()
+    assert splitgrad.pending_wgrads() == 0 and model.weight.grad is not None  # regular, unregistered
+    with pytest.raises(TypeError, match="'qkv' cannot be compiled by torch.jit.script"):
+        torch.jit.script(model)
