@@ -576,3 +576,82 @@ def test_jit_trace_records_regular_calls_and_script_is_refused():
     assert splitgrad.pending_wgrads() == 0 and model.weight.grad is not None  # regular, unregistered
     with pytest.raises(TypeError, match="'qkv' cannot be compiled by torch.jit.script"):
         torch.jit.script(model)
+
+
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_autocast_matches_plain_pytorch(kind, normalization):
+    """Under CPU autocast (bf16) the norm runs as autocast runs F.layer_norm / F.rms_norm and the
+    GEMMs in bf16, as nn.Linear's: outputs and gradients bit for bit."""
+    model = make(kind, normalization=normalization, delay_wgrad_compute=True)
+    randomize(model)
+    reference = to_reference(model)
+    x = torch.randn(4, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref_out = model(x), reference(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    loss_of(out).backward()
+    loss_of(ref_out).backward()
+    model.backward_dw()
+    assert_same(model, reference)
+
+
+# 10. Reducers and FSDP2 (one gloo rank: the hooks, launches and deferred reductions) -------------
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def block():
+    return nn.Sequential(
+        splitgrad.LayerNormLinear(H, H, normalization="RMSNorm", device="cpu", delay_wgrad_compute=True),
+        make("mlp", activation="swiglu", delay_wgrad_compute=True))
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_grad_reducer_reduces_after_the_last_deferred_contribution(one_rank, mode):
+    model = block()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, mode=mode, bucket_cap_mb=1e-6)  # a bucket each
+    for _ in range(2):
+        x = torch.randn(3, H)
+        loss_of(model(x)).backward()
+        launched = len(reducer.launch_log)
+        model[1].backward_dw()
+        assert len(reducer.launch_log) > launched  # fc2's and fc1's buckets start in backward_dw()
+        model[0].backward_dw()
+        reducer.finish()
+        loss_of(reference(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        if mode == "reduce_scatter":  # one rank: its shard is the whole gradient
+            torch.testing.assert_close(reducer.sharded_grad(p), q.grad.flatten(), rtol=0, atol=0)
+
+
+def test_fully_shard_reduces_in_backward_dw(one_rank):
+    import splitgrad.distributed as sgd
+
+    model = nn.Sequential(block(), block())
+    reference = to_reference(model)
+    for unit in model:
+        sgd.fully_shard(unit)
+    sgd.fully_shard(model)
+    sgd.fsdp_reduction_log.clear()
+    x = torch.randn(3, H)
+    loss_of(model(x)).backward()
+    for unit in reversed(model):
+        unit[1].backward_dw()
+        unit[0].backward_dw()
+    sgd.finish_fsdp_reductions()
+    assert [when for _, when in sgd.fsdp_reduction_log].count("backward_dw") == 2  # each block's unit
+    loss_of(reference(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
