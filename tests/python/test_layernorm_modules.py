@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import splitgrad
-from sg_helpers import backward_dw_each, named_gradients, ref_activation, run_schedule, to_reference
+from sg_helpers import (DEVICES, NO_CUDA, assert_grads_match, backward_dw_each, named_gradients, ref_activation,
+                        run_schedule, to_reference)
 
 ACTIVATIONS = ["gelu", "relu", "silu", "geglu", "reglu", "swiglu"]
 NORMS = ["LayerNorm", "RMSNorm"]
@@ -199,18 +200,20 @@ def test_return_bias_as_te():
 
 # 3. Delayed vs immediate, micro-batches, W order -----------------------------------------------
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_delayed_equals_immediate_bit_for_bit(kind, dtype):
+def test_delayed_equals_immediate_bit_for_bit(kind, dtype, device):
     """TE's test_numerics check: the same steps with delay_wgrad_compute on and off give identical
-    gradients, over several micro-batches (the delayed work run after each backward, as TE's test)."""
-    kw = dict(activation="swiglu") if kind == "mlp" else {}
+    gradients, over several micro-batches (the delayed work run after each backward, as TE's test).
+    On CUDA both paths run the same cuBLASLt GEMMs."""
+    kw = dict(activation="swiglu", device=device) if kind == "mlp" else dict(device=device)
     immediate = make(kind, params_dtype=dtype, **kw)
     randomize(immediate)
     delayed = make(kind, params_dtype=dtype, delay_wgrad_compute=True, **kw)
     delayed.load_state_dict(immediate.state_dict())
     for _ in range(3):
-        x = torch.randn(4, 5, H).to(dtype)
+        x = torch.randn(4, 5, H).to(dtype=dtype, device=device)
         a, _ = exact_step(immediate, x, delay=False)
         b, _ = exact_step(delayed, x, delay=True)
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -680,3 +683,36 @@ def test_zero_bubble_pipeline_stage_runs_their_w_steps(one_rank):
         (loss_fn(reference(xs), ts) / micro).backward()
     for (name, p), q in zip(nn.Sequential(*pieces).named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# 11. CUDA: the cuBLASLt back end against plain PyTorch ------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind,activation,normalization",
+                         [("linear", None, "LayerNorm"), ("linear", None, "RMSNorm"), ("mlp", "gelu", "LayerNorm"),
+                          ("mlp", "swiglu", "RMSNorm"), ("mlp", "reglu", "LayerNorm")])
+def test_cuda_matches_plain_pytorch(kind, activation, normalization, dtype, fused):
+    """Delayed modules on CUDA over two micro-batches against plain PyTorch: float32 to its
+    tolerance, 16-bit within 2x PyTorch's own error against a float64 reference."""
+    kw = dict(activation=activation) if activation else {}
+    model = make(kind, device="cuda", normalization=normalization, params_dtype=dtype, delay_wgrad_compute=True,
+                 fuse_wgrad_accumulation=fused, **kw)
+    randomize(model)
+    if fused:
+        for name in ("weight", "fc1_weight", "fc2_weight"):
+            if hasattr(model, name):
+                getattr(model, name).main_grad = torch.zeros_like(getattr(model, name), dtype=torch.float32)
+    reference = to_reference(model)
+    high = to_reference(model, torch.float64)
+    xs = [torch.randn(4, 5, H, device="cuda") for _ in range(2)]  # float32 values: exact in float64 too
+    for m in (model, reference, high):
+        for x in xs:
+            loss_of(m(x.to(m.layer_norm_weight.dtype))).backward()
+    model.backward_dw()
+    model.backward_dw()
+    assert splitgrad.pending_wgrads() == 0
+    if fused:
+        assert (model.fc1_weight if kind == "mlp" else model.weight).grad is None
+    assert_grads_match(model, reference, exact=False, high_precision=high)
