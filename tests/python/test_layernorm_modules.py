@@ -47,7 +47,7 @@ def first(out):
 def loss_of(out) -> torch.Tensor:
     """Every output counts (ln_out too, when returned), each with its own weight."""
     outs = out if isinstance(out, tuple) else (out,)
-    return sum((o.float() * (k + 1) * torch.linspace(-1, 1, o.shape[-1])).sum() for k, o in enumerate(outs))
+    return sum((o.float() * (k + 1) * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() for k, o in enumerate(outs))
 
 
 def assert_same(model: nn.Module, reference: nn.Module, case: str = "") -> None:
