@@ -15,6 +15,7 @@ from ._errors import ArgumentError
 from ._linear import (
     _TE_DEFAULTS,
     _check_params_dtype,
+    _check_sizes,
     _DeferredWgradModule,
     _factory,
     _refuse_unsupported,
@@ -62,12 +63,6 @@ _ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
     "reglu": (F.relu, True),
     "swiglu": (F.silu, True),
 }
-
-
-def _check_sizes(module: str, **sizes) -> None:
-    for arg, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ArgumentError(f"splitgrad.{module}: expected a positive int {arg}, got {value!r}")
 
 
 class _NormedModule(_DeferredWgradModule):

@@ -82,6 +82,12 @@ def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
         )
 
 
+def _check_sizes(module: str, **sizes) -> None:
+    for arg, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ArgumentError(f"splitgrad.{module}: expected a positive int {arg}, got {value!r}")
+
+
 def _check_params_dtype(module: str, params_dtype) -> None:
     if params_dtype is not None and not (isinstance(params_dtype, torch.dtype) and params_dtype.is_floating_point):
         raise DTypeError(f"splitgrad.{module}: expected a floating-point params_dtype, got {params_dtype!r}")
@@ -314,9 +320,7 @@ class Linear(_DeferredWgradModule):
     ) -> None:
         super().__init__()
         _refuse_unsupported("Linear", te_keywords, _TE_DEFAULTS)
-        for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ArgumentError(f"splitgrad.Linear: expected a positive int {arg}, got {value!r}")
+        _check_sizes("Linear", in_features=in_features, out_features=out_features)
         _check_params_dtype("Linear", params_dtype)
         self.in_features = in_features
         self.out_features = out_features
