@@ -89,8 +89,8 @@ class PipelineStage(_pipelining.PipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` whose W step is splitgrad's deferred wgrad.
 
     Same arguments as torch's (``dw_builder`` is this class's own). ``submodule`` holds the stage's
-    layers; those that are ``splitgrad.Linear(..., delay_wgrad_compute=True)`` have their weight
-    gradient computed in W, the rest in B.
+    layers; those that are splitgrad layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) built
+    with ``delay_wgrad_compute=True`` have their GEMMs' weight gradients computed in W, the rest in B.
 
     - A W step (``backward_weight_one_chunk(i)``) runs the deferred work queued by micro-batch
       ``i``'s B step for this stage's layers, and nothing else, in whatever order the schedule runs
