@@ -1,7 +1,8 @@
 """splitgrad: linear layers whose deferred weight gradients equal plain autograd's.
 
-``import splitgrad as te`` runs code written for transformer_engine.pytorch.Linear's
-delayed-wgrad API (``delay_wgrad_compute=True``, ``backward_dw()``, ``fuse_wgrad_accumulation``).
+``import splitgrad as te`` runs code written for the delayed-wgrad API (``delay_wgrad_compute=True``,
+``backward_dw()``, ``fuse_wgrad_accumulation``) of transformer_engine.pytorch's Linear,
+LayerNormLinear and LayerNormMLP.
 """
 
 import os as _os
@@ -19,6 +20,7 @@ from ._deferred import (
 )
 from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
 from ._linear import Linear, name_layers
+from ._layernorm import LayerNormLinear, LayerNormMLP
 from . import distributed  # splitgrad.distributed.GradReducer
 
 
@@ -41,6 +43,8 @@ cmake_prefix_path = _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), 
 
 __all__ = [
     "Linear",
+    "LayerNormLinear",
+    "LayerNormMLP",
     "backward_dw_all",
     "pending_wgrads",
     "layers_with_pending_wgrads",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import warnings
@@ -80,7 +81,224 @@ def _linear_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, l
     return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay)
 
 
-class Linear(nn.Module):
+def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
+    """TE keywords for features splitgrad does not have are accepted at their defaults only (so TE
+    code that spells them out runs); anything else is refused by name."""
+    unsupported = sorted(k for k, v in te_keywords.items() if defaults.get(k, object()) != v)
+    if unsupported:
+        raise TypeError(
+            f"splitgrad.{module} got keyword argument(s) it does not support: {unsupported} "
+            f"(te.{module} keywords accepted only at their defaults: {sorted(defaults)})"
+        )
+
+
+def _check_sizes(module: str, **sizes) -> None:
+    for arg, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ArgumentError(f"splitgrad.{module}: expected a positive int {arg}, got {value!r}")
+
+
+def _check_params_dtype(module: str, params_dtype) -> None:
+    if params_dtype is not None and not (isinstance(params_dtype, torch.dtype) and params_dtype.is_floating_point):
+        raise DTypeError(f"splitgrad.{module}: expected a floating-point params_dtype, got {params_dtype!r}")
+
+
+def _factory(device, params_dtype) -> dict:
+    return {
+        "device": torch.device(device) if device is not None else _default_device(),
+        "dtype": params_dtype if params_dtype is not None else torch.get_default_dtype(),
+    }
+
+
+class _DeferredWgradModule(nn.Module):
+    """What splitgrad's modules share: one registration with the deferred-wgrad store (every GEMM of
+    the module queues under its id, so one backward_dw() runs one backward pass's work of all of
+    them), its name, TE's hook API, the pending-work guards, and how a linear map runs under
+    torch.export, torch.compile, jit.trace and torch.func (``_apply_linear``). A subclass sets
+    ``delay_wgrad_compute`` and ``fuse_wgrad_accumulation``, creates its parameters, then calls
+    ``_register(name)``; ``_default_name`` names it when no name is given."""
+
+    def _register(self, name: str | None) -> None:
+        self._layer = _C.LayerHandle(name or "")
+        self._layer_id = self._layer.id
+        if not name:
+            self._layer.name = self._default_name(self._layer_id)
+        self._reduce_hooks: list[Callable] = []
+        self._reduce_hook_handles: list = []
+        self.register_state_dict_pre_hook(_DeferredWgradModule._state_dict_pre_hook)
+
+    def _default_name(self, layer_id) -> str:
+        raise NotImplementedError
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this on every submodule before compiling it.
+        raise TypeError(
+            f"splitgrad layer '{self.name}' cannot be compiled by torch.jit.script (TorchScript is "
+            "deprecated and cannot express its deferred-wgrad state); use torch.compile, or "
+            "torch.export / torch.jit.trace, which record it as a regular layer"
+        )
+
+    @property
+    def name(self) -> str:
+        return self._layer.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._layer.name = str(value)
+
+    def _check_forward_args(self, inp, is_first_microbatch) -> None:
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
+
+    def _linear_path(self, inp: torch.Tensor) -> str:
+        """How this forward's linear maps run: "export" (torch.export), "functional" (torch.func
+        transforms, forward-mode AD with a tangent on ``inp`` or a parameter), "compile" (under
+        torch.compile), "trace" (jit.trace), "op"."""
+        if _exporting():
+            return "export"
+        if _differentiated_functionally(inp, *self._parameters.values()):
+            return "functional"
+        if torch.compiler.is_compiling():
+            return "compile"
+        if torch.jit.is_tracing():
+            return "trace"
+        return "op"
+
+    def _apply_linear(self, path: str, inp, weight, bias, names: tuple[str, str] = ("weight", "bias")):
+        """inp·weightᵀ + bias through splitgrad's linear op, queued under this module's id; ``path``
+        from _linear_path(), ``names`` name the parameters in messages."""
+        weight_main_grad = bias_main_grad = None
+        # export records an unfused call; functional gradients are returned, not accumulated
+        if self.fuse_wgrad_accumulation and path not in ("export", "functional"):
+            weight_main_grad = self._main_grad_of(weight, names[0])
+            if bias is not None:
+                bias_main_grad = self._main_grad_of(bias, names[1], required=False)
+        if path in ("export", "trace"):
+            # A graph meant to outlive this process records a regular, unfused call under no
+            # layer id (0): it depends on no process-local registration, and its gradients go to
+            # .grad at once.
+            return _linear_op(inp, weight, bias, None, None, 0, False)
+        if path == "functional":  # nn.Linear's own differentiable op
+            # Autocast casts a floating input to its dtype before the product.
+            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
+            _C.check_linear_args(self._layer_id, inp, weight, bias, inp.dtype if cast else None)
+            if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(weight).requires_grad:
+                warnings.warn(
+                    f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "
+                    "transform or forward-mode AD with its own parameters: a backward through this "
+                    f"call outside the transform adds its gradient to {names[0]}.grad, not main_grad. "
+                    "Pass the parameters through torch.func.functional_call, or fold .grad into main_grad.",
+                    stacklevel=4)
+            return nn.functional.linear(inp, weight, bias)
+        if path == "compile" and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
+            return _linear_outside_graph(
+                inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute,
+            )
+        return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute)
+
+    def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
+        """``param.main_grad``, checked. The weight's is required; a bias without one gets its
+        gradient in ``bias.grad``, as te.Linear does."""
+        if not param.requires_grad:
+            return None
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is None and not required:
+            return None
+        if main_grad is None:
+            raise MainGradError(
+                f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
+                f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set"
+            )
+        if not isinstance(main_grad, torch.Tensor):
+            raise MainGradError(
+                f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
+                f"got {type(main_grad).__name__}"
+            )
+        # Megatron's contract: its grad hooks must not add .grad into main_grad again. Set here, in
+        # Python, once per forward: the backward that follows adds this layer's gradient to main_grad.
+        if hasattr(param, "grad_added_to_main_grad"):
+            param.grad_added_to_main_grad = True
+        return main_grad
+
+    def backward_dw(self) -> None:
+        """Run this module's deferred wgrad for the oldest backward pass still pending (every GEMM
+        of the module, last applied first).
+
+        Does nothing when the module was built with delay_wgrad_compute=False (as in TE); raises
+        RuntimeError naming the module when a delayed module has nothing pending.
+        """
+        if self.delay_wgrad_compute:
+            self._layer.backward_dw()
+
+    def pending_wgrads(self) -> int:
+        """Deferred wgrad items queued for this module (one per GEMM applied)."""
+        return self._layer.pending()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable) -> None:
+        """TE's name: run ``hook`` for each parameter of this module once its gradient for a backward
+        pass is complete (after the last contribution, from this or any module it is tied to).
+        ``hook(param)`` is called if it takes an argument, else ``hook()`` as in TE."""
+        if not callable(hook):
+            raise TypeError(f"expected a callable hook, got {type(hook).__name__}")
+        self._reduce_hooks.append(hook)
+        self._install_reduce_hooks()
+
+    def _install_reduce_hooks(self) -> None:
+        for handle in self._reduce_hook_handles:
+            handle.remove()
+        self._reduce_hook_handles = []
+        for hook in self._reduce_hooks:
+            call = hook if _takes_an_argument(hook) else (lambda _param, hook=hook: hook())
+            for param in self._parameters.values():
+                if param is not None and param.requires_grad:
+                    self._reduce_hook_handles.append(register_grad_ready_hook(param, call))
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if self.__dict__.get("_reduce_hooks") and name in self._parameters:
+            self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
+
+    def __getstate__(self):
+        # the hook handles belong to this module's parameters: a copy installs its own (__setstate__)
+        state = self.__dict__.copy()
+        state["_reduce_hook_handles"] = []
+        return state
+
+    def __setstate__(self, state):
+        # deepcopy / unpickling gives the copy a layer registration of its own; keep the id in step,
+        # and give a copy named by default a default name of its own
+        super().__setstate__(state)
+        if self._layer.name == self._default_name(state.get("_layer_id")):
+            self._layer.name = self._default_name(self._layer.id)
+        self._layer_id = self._layer.id
+        self._reduce_hook_handles = []
+        if self._reduce_hooks:
+            self._install_reduce_hooks()
+
+    @staticmethod
+    def _state_dict_pre_hook(module, prefix, keep_vars):
+        if module._layer.pending():
+            check_no_pending(f"state_dict() of '{module.name}'", [p for p in module._parameters.values() if p is not None])
+
+    def __del__(self):
+        layer = self.__dict__.get("_layer")
+        if layer is None:
+            return
+        name = layer.name  # read before release(): a released layer no longer has a name
+        dropped = layer.release()
+        if dropped:
+            warnings.warn(
+                f"splitgrad layer '{name}' was deleted with {dropped} deferred wgrad item(s) "
+                "pending: their stashed tensors were freed and those gradient contributions discarded. "
+                "Call backward_dw() before deleting a layer.",
+                PendingWgradWarning,
+                stacklevel=2,
+            )
+
+
+class Linear(_DeferredWgradModule):
     """y = x·Wᵀ + b, whose weight and bias gradients can be deferred to :meth:`backward_dw`.
 
     Args (Transformer Engine's te.Linear keywords):
@@ -117,70 +335,28 @@ class Linear(nn.Module):
         **te_keywords,
     ) -> None:
         super().__init__()
-        # te.Linear keywords for features splitgrad does not have are accepted at their defaults
-        # only (so TE code that spells them out runs); anything else is refused by name.
-        unsupported = sorted(k for k, v in te_keywords.items() if _TE_DEFAULTS.get(k, object()) != v)
-        if unsupported:
-            raise TypeError(
-                f"splitgrad.Linear got keyword argument(s) it does not support: {unsupported} "
-                f"(te.Linear keywords accepted only at their defaults: {sorted(_TE_DEFAULTS)})"
-            )
-        for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ArgumentError(f"splitgrad.Linear: expected a positive int {arg}, got {value!r}")
-        if params_dtype is not None and not (isinstance(params_dtype, torch.dtype) and params_dtype.is_floating_point):
-            raise DTypeError(f"splitgrad.Linear: expected a floating-point params_dtype, got {params_dtype!r}")
+        _refuse_unsupported("Linear", te_keywords, _TE_DEFAULTS)
+        _check_sizes("Linear", in_features=in_features, out_features=out_features)
+        _check_params_dtype("Linear", params_dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.return_bias = bool(return_bias)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        factory = {
-            "device": torch.device(device) if device is not None else _default_device(),
-            "dtype": params_dtype if params_dtype is not None else torch.get_default_dtype(),
-        }
+        factory = _factory(device, params_dtype)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **factory))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **factory))
         else:
             self.register_parameter("bias", None)
-        self._layer = _C.LayerHandle(name or "")
-        self._layer_id = self._layer.id
-        if not name:
-            self._layer.name = self._default_name(self._layer_id)
-        self._reduce_hooks: list[Callable] = []
-        self._reduce_hook_handles: list = []
-        self.register_state_dict_pre_hook(Linear._state_dict_pre_hook)
+        self._register(name)
         self.reset_parameters(init_method)
 
     def _default_name(self, layer_id) -> str:
         return f"Linear({self.in_features}, {self.out_features})#{layer_id}"
 
-    def __prepare_scriptable__(self):
-        # torch.jit.script calls this on every submodule before compiling it.
-        raise TypeError(
-            f"splitgrad layer '{self.name}' cannot be compiled by torch.jit.script (TorchScript is "
-            "deprecated and cannot express its deferred-wgrad state); use torch.compile, or "
-            "torch.export / torch.jit.trace, which record it as a regular layer"
-        )
-
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
-        with torch.no_grad():
-            if init_method is not None:
-                init_method(self.weight)
-            else:
-                nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-            if self.bias is not None:
-                bound = 1.0 / math.sqrt(self.in_features)
-                nn.init.uniform_(self.bias, -bound, bound)
-
-    @property
-    def name(self) -> str:
-        return self._layer.name
-
-    @name.setter
-    def name(self, value: str) -> None:
-        self._layer.name = str(value)
+        _reset_linear(self.weight, self.bias, init_method)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """y = inp·Wᵀ + b for ``inp`` of shape [*, in_features].
@@ -188,162 +364,12 @@ class Linear(nn.Module):
         ``is_first_microbatch`` is accepted for te.Linear compatibility; it does not change the
         gradients (they accumulate over micro-batches either way).
         """
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
+        self._check_forward_args(inp, is_first_microbatch)
         # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
         bias = None if self.return_bias else self.bias
-        weight_main_grad = bias_main_grad = None
-        exporting = _exporting()
-        functional = not exporting and _differentiated_functionally(inp, self.weight, bias)
-        # export records an unfused call; functional gradients are returned, not accumulated
-        if self.fuse_wgrad_accumulation and not exporting and not functional:
-            weight_main_grad = self._main_grad_of(self.weight, "weight")
-            if bias is not None:
-                bias_main_grad = self._main_grad_of(bias, "bias", required=False)
-        try:
-            if exporting:
-                out = self._regular_unregistered(inp, bias)
-            elif functional:
-                out = self._functional(inp, bias)
-            elif (self.delay_wgrad_compute or self.fuse_wgrad_accumulation) and torch.compiler.is_compiling():
-                out = _linear_outside_graph(
-                    inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,
-                    self.delay_wgrad_compute,
-                )
-            elif torch.jit.is_tracing():
-                out = self._regular_unregistered(inp, bias)
-            else:
-                out = _linear_op(
-                    inp, self.weight, bias, weight_main_grad, bias_main_grad, self._layer_id,
-                    self.delay_wgrad_compute,
-                )
-            return (out, self.bias) if self.return_bias else out
-        except ValueError as error:
-            kind = MainGradError if "main_grad" in str(error) else ArgumentError
-            raise kind(str(error)) from None
-        except TypeError as error:
-            raise DTypeError(str(error)) from None
-
-    def _functional(self, inp, bias):
-        # Under a torch.func transform or forward-mode AD: nn.Linear's own differentiable op.
-        if not torch.compiler.is_compiling():  # (checks and warnings would break the graph)
-            # Autocast casts a floating input to its dtype before the product.
-            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
-            _C.check_linear_args(self._layer_id, inp, self.weight, bias, inp.dtype if cast else None)
-            if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(self.weight).requires_grad:
-                warnings.warn(
-                    f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "
-                    "transform or forward-mode AD with its own parameters: a backward through this "
-                    "call outside the transform adds its gradient to weight.grad, not main_grad. "
-                    "Pass the parameters through torch.func.functional_call, or fold .grad into main_grad.",
-                    stacklevel=3)
-        return nn.functional.linear(inp, self.weight, bias)
-
-    def _regular_unregistered(self, inp, bias):
-        # A graph meant to outlive this process (torch.export, torch.jit.trace) records a
-        # regular, unfused call under no layer id (0): it depends on no process-local registration,
-        # and its gradients go to .grad at once.
-        return _linear_op(inp, self.weight, bias, None, None, 0, False)
-
-    def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
-        """``param.main_grad``, checked. The weight's is required; a bias without one gets its
-        gradient in ``bias.grad``, as te.Linear does."""
-        if not param.requires_grad:
-            return None
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is None and not required:
-            return None
-        if main_grad is None:
-            raise MainGradError(
-                f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
-                f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set"
-            )
-        if not isinstance(main_grad, torch.Tensor):
-            raise MainGradError(
-                f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
-                f"got {type(main_grad).__name__}"
-            )
-        # Megatron's contract: its grad hooks must not add .grad into main_grad again. Set here, in
-        # Python, once per forward: the backward that follows adds this layer's gradient to main_grad.
-        if hasattr(param, "grad_added_to_main_grad"):
-            param.grad_added_to_main_grad = True
-        return main_grad
-
-    def backward_dw(self) -> None:
-        """Run this layer's deferred wgrad for the oldest backward pass still pending.
-
-        Does nothing when the layer was built with delay_wgrad_compute=False (as in TE); raises
-        RuntimeError naming the layer when a delayed layer has nothing pending.
-        """
-        if self.delay_wgrad_compute:
-            self._layer.backward_dw()
-
-    def pending_wgrads(self) -> int:
-        """Deferred wgrad items queued for this layer."""
-        return self._layer.pending()
-
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable) -> None:
-        """TE's name: run ``hook`` for each parameter of this layer once its gradient for a backward
-        pass is complete (after the last contribution, from this or any layer it is tied to).
-        ``hook(param)`` is called if it takes an argument, else ``hook()`` as in TE."""
-        if not callable(hook):
-            raise TypeError(f"expected a callable hook, got {type(hook).__name__}")
-        self._reduce_hooks.append(hook)
-        self._install_reduce_hooks()
-
-    def _install_reduce_hooks(self) -> None:
-        for handle in self._reduce_hook_handles:
-            handle.remove()
-        self._reduce_hook_handles = []
-        for hook in self._reduce_hooks:
-            call = hook if _takes_an_argument(hook) else (lambda _param, hook=hook: hook())
-            for param in (self.weight, self.bias):
-                if param is not None and param.requires_grad:
-                    self._reduce_hook_handles.append(register_grad_ready_hook(param, call))
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if name in ("weight", "bias") and self.__dict__.get("_reduce_hooks"):
-            self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
-
-    def __getstate__(self):
-        # the hook handles belong to this layer's parameters: a copy installs its own (__setstate__)
-        state = self.__dict__.copy()
-        state["_reduce_hook_handles"] = []
-        return state
-
-    def __setstate__(self, state):
-        # deepcopy / unpickling gives the copy a layer registration of its own; keep the id in step,
-        # and give a copy named by default a default name of its own
-        super().__setstate__(state)
-        if self._layer.name == self._default_name(state.get("_layer_id")):
-            self._layer.name = self._default_name(self._layer.id)
-        self._layer_id = self._layer.id
-        self._reduce_hook_handles = []
-        if self._reduce_hooks:
-            self._install_reduce_hooks()
-
-    @staticmethod
-    def _state_dict_pre_hook(module, prefix, keep_vars):
-        if module._layer.pending():
-            check_no_pending(f"state_dict() of '{module.name}'", [p for p in (module.weight, module.bias) if p is not None])
-
-    def __del__(self):
-        layer = self.__dict__.get("_layer")
-        if layer is None:
-            return
-        name = layer.name  # read before release(): a released layer no longer has a name
-        dropped = layer.release()
-        if dropped:
-            warnings.warn(
-                f"splitgrad layer '{name}' was deleted with {dropped} deferred wgrad item(s) "
-                "pending: their stashed tensors were freed and those gradient contributions discarded. "
-                "Call backward_dw() before deleting a layer.",
-                PendingWgradWarning,
-                stacklevel=2,
-            )
+        with _typed_errors():
+            out = self._apply_linear(self._linear_path(inp), inp, self.weight, bias)
+        return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         return (
@@ -351,6 +377,31 @@ class Linear(nn.Module):
             f"delay_wgrad_compute={self.delay_wgrad_compute}, "
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, name={self.name!r}"
         )
+
+
+@contextlib.contextmanager
+def _typed_errors():
+    """The ops' ValueError/TypeError as splitgrad's typed errors (messages unchanged)."""
+    try:
+        yield
+    except ValueError as error:
+        kind = MainGradError if "main_grad" in str(error) else ArgumentError
+        raise kind(str(error)) from None
+    except TypeError as error:
+        raise DTypeError(str(error)) from None
+
+
+def _reset_linear(weight, bias, init_method) -> None:
+    """nn.Linear's initialisation (kaiming-uniform weight, uniform bias in ±1/sqrt(fan_in)), or
+    ``init_method(weight)``."""
+    with torch.no_grad():
+        if init_method is not None:
+            init_method(weight)
+        else:
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if bias is not None:
+            bound = 1.0 / math.sqrt(weight.shape[1])
+            nn.init.uniform_(bias, -bound, bound)
 
 
 def _takes_an_argument(fn: Callable) -> bool:
@@ -364,8 +415,8 @@ def _takes_an_argument(fn: Callable) -> bool:
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:
-    """Name every splitgrad.Linear in ``model`` after its path (``"blocks.0.fc1"``), so messages
+    """Name every splitgrad layer (Linear, LayerNormLinear, LayerNormMLP) in ``model`` after its path (``"blocks.0.fc1"``), so messages
     about pending work and errors say which layer they mean."""
     for path, module in model.named_modules(prefix=prefix):
-        if isinstance(module, Linear):
+        if isinstance(module, _DeferredWgradModule):
             module.name = path or type(model).__name__

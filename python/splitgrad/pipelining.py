@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed import pipelining as _pipelining
 
 from ._errors import PendingWgradError
-from ._linear import Linear
+from ._linear import _DeferredWgradModule
 
 __all__ = ["PipelineStage", "TiedParameter", "StageTimeline", "Interval", "busy_time", "bubble_fraction",
            "stages_of_rank"]
@@ -70,12 +70,12 @@ def _gradient_dtype(param: torch.Tensor) -> str:
     return str((main_grad if main_grad is not None else param).dtype)
 
 
-def _delayed_layers(module: nn.Module) -> list[Linear]:
+def _delayed_layers(module: nn.Module) -> list[_DeferredWgradModule]:
     """The module's splitgrad layers with delay_wgrad_compute=True, each once, in module order."""
     seen: set[int] = set()
     layers = []
     for layer in module.modules():
-        if isinstance(layer, Linear) and layer.delay_wgrad_compute and id(layer) not in seen:
+        if isinstance(layer, _DeferredWgradModule) and layer.delay_wgrad_compute and id(layer) not in seen:
             seen.add(id(layer))
             layers.append(layer)
     return layers
@@ -89,8 +89,8 @@ class PipelineStage(_pipelining.PipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` whose W step is splitgrad's deferred wgrad.
 
     Same arguments as torch's (``dw_builder`` is this class's own). ``submodule`` holds the stage's
-    layers; those that are ``splitgrad.Linear(..., delay_wgrad_compute=True)`` have their weight
-    gradient computed in W, the rest in B.
+    layers; those that are splitgrad layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) built
+    with ``delay_wgrad_compute=True`` have their GEMMs' weight gradients computed in W, the rest in B.
 
     - A W step (``backward_weight_one_chunk(i)``) runs the deferred work queued by micro-batch
       ``i``'s B step for this stage's layers, and nothing else, in whatever order the schedule runs
@@ -126,13 +126,13 @@ class PipelineStage(_pipelining.PipelineStage):
         # Passes each layer had pending before the B step now running (None outside B).
         self._before_backward: list[set[int]] | None = None
         # Micro-batch -> the (layer, pass) work its B step queued and its W step has not run yet.
-        self._owed: dict[int, list[tuple[Linear, int]]] = {}
+        self._owed: dict[int, list[tuple[_DeferredWgradModule, int]]] = {}
         self._backward_chunk: int | None = None
         self.timeline: StageTimeline | None = None
         _live_stages.add(self)
 
     @property
-    def delayed_layers(self) -> list[Linear]:
+    def delayed_layers(self) -> list[_DeferredWgradModule]:
         """This stage's splitgrad layers with delay_wgrad_compute=True."""
         return list(self._layers)
 
@@ -169,7 +169,7 @@ class PipelineStage(_pipelining.PipelineStage):
         if self._before_backward is None:  # pragma: no cover - torch calls it from backward only
             raise RuntimeError(f"{self.log_prefix} dw_builder called outside a backward step")
         chunk = self._backward_chunk
-        work: list[tuple[Linear, int]] = []
+        work: list[tuple[_DeferredWgradModule, int]] = []
         for layer, before in zip(reversed(self._layers), reversed(self._before_backward)):
             work.extend((layer, p) for p in layer._layer.pending_passes() if p not in before)
         if work:
@@ -195,7 +195,7 @@ class PipelineStage(_pipelining.PipelineStage):
 
     # -- the end of a step --------------------------------------------------------------------------
 
-    def _names(self, work: Iterable[tuple[Linear, int]]) -> str:
+    def _names(self, work: Iterable[tuple[_DeferredWgradModule, int]]) -> str:
         names: list[str] = []
         for layer, _ in work:
             if layer.name not in names:

@@ -1,11 +1,8 @@
 #include "splitgrad/linear.h"
 
-#include <torch/cuda.h>
-#include <torch/nn/init.h>
-
 #include <algorithm>
-#include <cmath>
 
+#include "api/module_common.h"
 #include "ops/checks.h"
 #include "splitgrad/ops.h"
 
@@ -17,37 +14,20 @@ void LinearImpl::reset() {
   TORCH_CHECK_VALUE(options.in_features() > 0 && options.out_features() > 0,
                     "splitgrad::Linear: expected positive in_features and out_features, got ",
                     options.in_features(), " and ", options.out_features());
-  const at::Device device = options.device().value_or(
-      torch::cuda::is_available() ? at::Device(at::kCUDA) : at::Device(at::kCPU));
-  const at::ScalarType dtype =
-      options.params_dtype().value_or(c10::typeMetaToScalarType(at::get_default_dtype()));
-  TORCH_CHECK_TYPE(at::isFloatingType(dtype),
-                   "splitgrad::Linear: expected a floating-point params_dtype (torch.float32, "
-                   "torch.bfloat16, ...), got ",
-                   detail::dtype_name(dtype));
+  const at::Device device = detail::module_device(options.device());
+  const at::ScalarType dtype = detail::module_dtype("splitgrad::Linear", options.params_dtype());
   const auto tensor_options = torch::TensorOptions().dtype(dtype).device(device);
   weight = register_parameter(
       "weight", torch::empty({options.out_features(), options.in_features()}, tensor_options));
   bias = options.bias()
              ? register_parameter("bias", torch::empty({options.out_features()}, tensor_options))
              : register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
-  std::string name = options.name();
-  layer_ = std::make_shared<LayerHandle>(name);
-  if (name.empty()) {
-    layer_->set_name(c10::str("Linear(", options.in_features(), ", ", options.out_features(), ")#",
-                              layer_->id()));
-  }
+  layer_ = detail::register_layer(options.name(), c10::str("Linear(", options.in_features(), ", ",
+                                                           options.out_features(), ")"));
   reset_parameters();
 }
 
-void LinearImpl::reset_parameters() {
-  // nn.Linear's initialisation: kaiming-uniform weight, uniform bias in ±1/sqrt(fan_in).
-  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
-  if (bias.defined()) {
-    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
-    torch::nn::init::uniform_(bias, -bound, bound);
-  }
-}
+void LinearImpl::reset_parameters() { detail::reset_linear(weight, bias); }
 
 void LinearImpl::pretty_print(std::ostream& stream) const {
   stream << "splitgrad::Linear(in_features=" << options.in_features()
@@ -64,19 +44,8 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   std::optional<at::Tensor> weight_main_grad, bias_main_grad;
   if (options.fuse_wgrad_accumulation()) {
     // The weight's main_grad is required; a bias without one gets its gradient in bias.grad.
-    auto fetch = [&](const torch::Tensor& param, const char* what,
-                     bool required) -> std::optional<at::Tensor> {
-      if (!param.defined() || !param.requires_grad()) return std::nullopt;
-      at::Tensor buffer = main_grad(param);
-      if (!buffer.defined() && !required) return std::nullopt;
-      TORCH_CHECK_VALUE(buffer.defined(), "splitgrad layer '", layer_->name(),
-                        "': fuse_wgrad_accumulation=true needs the ", what,
-                        "'s main_grad (an fp32 tensor of shape ", param.sizes(),
-                        "); set it with splitgrad::set_main_grad()");
-      return buffer;
-    };
-    weight_main_grad = fetch(weight, "weight", /*required=*/true);
-    bias_main_grad = fetch(bias, "bias", /*required=*/false);
+    weight_main_grad = detail::fused_main_grad(*layer_, weight, "weight", /*required=*/true);
+    bias_main_grad = detail::fused_main_grad(*layer_, bias, "bias", /*required=*/false);
   }
   return ops::linear(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
                      weight_main_grad, bias_main_grad, layer_->id(), options.delay_wgrad_compute());
@@ -96,22 +65,7 @@ int64_t LinearImpl::pending_wgrads() const { return layer_->pending(); }
 
 void LinearImpl::check_tie(const char* what, const torch::Tensor& current,
                            const torch::Tensor& tied) const {
-  const std::string who = c10::str("splitgrad layer '", layer_->name(), "': tie_", what);
-  TORCH_CHECK_VALUE(tied.defined(), who, " expected a ", what, " of shape ", current.sizes(),
-                    ", got an undefined tensor");
-  TORCH_CHECK_VALUE(tied.sizes() == current.sizes(), who, " expected a ", what, " of shape ",
-                    current.sizes(), ", got ", tied.sizes());
-  // A deferred gradient is added to the tied tensor's own .grad: for a non-leaf (a view such as
-  // other->weight.t()) it would never reach the parameter behind it.
-  TORCH_CHECK_VALUE(tied.is_leaf(), who,
-                    " expected a parameter (a leaf tensor), got a non-leaf tensor (a view or the "
-                    "result of an op, such as other->weight.t()). Tie to the parameter itself; for "
-                    "a transposed tie, use torch::nn::functional::linear(x, other->weight.t()).");
-  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a ", what,
-                   " of dtype ", detail::dtype_name(current.scalar_type()), " (the layer's), got ",
-                   detail::dtype_name(tied.scalar_type()));
-  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
-                    current.device(), " (the layer's device), got ", tied.device());
+  detail::check_tie(*layer_, c10::str("tie_", what), what, current, tied);
 }
 
 void LinearImpl::tie_weight(const torch::Tensor& new_weight) {

@@ -2,7 +2,8 @@
 gradients with it.
 
 The reference for a splitgrad model is the same model in plain PyTorch autograd (``to_reference``):
-every ``splitgrad.Linear`` becomes an ``nn.Linear`` holding a copy of the same parameters, with the
+every ``splitgrad.Linear`` becomes an ``nn.Linear`` (a LayerNormLinear / LayerNormMLP the same
+norm, F.linear and activation in plain PyTorch) holding a copy of the same parameters, with the
 same tying, the same pre-existing gradients, and the same surrounding modules (embeddings, containers).
 Tests run the same forward/backward steps on both and compare every parameter's gradient with
 ``assert_grads_match``.
@@ -39,6 +40,73 @@ class RefLinear(nn.Linear):
         return super().forward(x)
 
 
+def _ref_norm(module, x):
+    """The norm of a LayerNormLinear / LayerNormMLP, as plain PyTorch computes it (nn.LayerNorm's
+    and nn.RMSNorm's functional forms); zero-centred gamma scales by 1 + weight."""
+    gamma = module.layer_norm_weight + 1 if module.zero_centered_gamma else module.layer_norm_weight
+    if module.normalization == "LayerNorm":
+        return nn.functional.layer_norm(x, gamma.shape, gamma, module.layer_norm_bias, module.eps)
+    return nn.functional.rms_norm(x, gamma.shape, gamma, module.eps)
+
+
+def _ref_outputs(module, out, bias, ln_out):
+    result = (out, bias) if module.return_bias else (out,)
+    if module.return_layernorm_output:
+        result += (ln_out,)
+    return result if len(result) > 1 else out
+
+
+class RefLayerNormLinear(nn.Module):
+    """splitgrad.LayerNormLinear's plain-autograd twin (same parameter names): F.layer_norm /
+    F.rms_norm, then F.linear."""
+
+    def __init__(self, module: "splitgrad.LayerNormLinear", memo: dict) -> None:
+        super().__init__()
+        for attr in ("eps", "normalization", "zero_centered_gamma", "return_layernorm_output", "return_bias"):
+            setattr(self, attr, getattr(module, attr))
+        for name, param in module._parameters.items():
+            setattr(self, name, memo[id(param)] if param is not None else None)
+
+    def forward(self, x, is_first_microbatch=None):
+        ln_out = _ref_norm(self, x)
+        out = nn.functional.linear(ln_out, self.weight, None if self.return_bias else self.bias)
+        return _ref_outputs(self, out, self.bias, ln_out)
+
+
+def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
+    """TE's activations in plain PyTorch: gelu is the tanh approximation; gated ones act on the
+    first half and multiply by the second."""
+    fns = {"gelu": lambda t: nn.functional.gelu(t, approximate="tanh"), "relu": torch.relu,
+           "silu": nn.functional.silu}
+    gated = {"geglu": "gelu", "reglu": "relu", "swiglu": "silu"}
+    if name in gated:
+        a, b = x.chunk(2, dim=-1)
+        return fns[gated[name]](a) * b
+    return fns[name](x)
+
+
+class RefLayerNormMLP(nn.Module):
+    """splitgrad.LayerNormMLP's plain-autograd twin (same parameter names)."""
+
+    def __init__(self, module: "splitgrad.LayerNormMLP", memo: dict) -> None:
+        super().__init__()
+        for attr in ("eps", "normalization", "zero_centered_gamma", "return_layernorm_output", "return_bias",
+                     "activation"):
+            setattr(self, attr, getattr(module, attr))
+        for name, param in module._parameters.items():
+            setattr(self, name, memo[id(param)] if param is not None else None)
+
+    def forward(self, x, is_first_microbatch=None):
+        ln_out = _ref_norm(self, x)
+        hidden = ref_activation(self.activation, nn.functional.linear(ln_out, self.fc1_weight, self.fc1_bias))
+        out = nn.functional.linear(hidden, self.fc2_weight, None if self.return_bias else self.fc2_bias)
+        return _ref_outputs(self, out, self.fc2_bias, ln_out)
+
+
+#: splitgrad's modules with deferrable weight gradients.
+SPLITGRAD_MODULES = (splitgrad.Linear, splitgrad.LayerNormLinear, splitgrad.LayerNormMLP)
+
+
 def _twin_parameter(param: torch.Tensor, dtype: torch.dtype | None) -> nn.Parameter:
     """A fresh parameter with ``param``'s values (in ``dtype``), whose ``.grad`` starts where
     ``param``'s gradient starts: its ``main_grad`` if it has one (fuse_wgrad_accumulation), else
@@ -70,6 +138,10 @@ def to_reference(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
             if module.bias is not None:
                 ref.bias = memo[id(module.bias)]
             memo[id(module)] = ref
+        elif isinstance(module, splitgrad.LayerNormLinear):
+            memo[id(module)] = RefLayerNormLinear(module, memo)
+        elif isinstance(module, splitgrad.LayerNormMLP):
+            memo[id(module)] = RefLayerNormMLP(module, memo)
     reference = copy.deepcopy(model, memo)
     if dtype is not None:
         reference.to(dtype)  # buffers; the parameters are already in dtype
@@ -174,8 +246,8 @@ def run_schedule(schedule: str | Sequence[str], model: nn.Module, inputs: Sequen
     assert not outputs, f"schedule {tokens} leaves forwards without a backward: {sorted(outputs)}"
 
 
-def delayed_layers(model: nn.Module) -> list[splitgrad.Linear]:
-    return [m for m in model.modules() if isinstance(m, splitgrad.Linear) and m.delay_wgrad_compute]
+def delayed_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, SPLITGRAD_MODULES) and m.delay_wgrad_compute]
 
 
 def backward_dw_each(model: nn.Module) -> None:

@@ -5,7 +5,8 @@ flags; a random forward program that may apply a layer several times; 1–4 micr
 random interleaving of forwards (F), backwards (B) and deferred-work steps (W: backward_dw() on a
 random layer with work pending, so a micro-batch's W always follows its B); leftover work run
 layer by layer in a random order or by backward_dw_all(); a random dtype; random pre-existing
-gradients; sometimes every layer fused into fp32 main_grad.
+gradients; sometimes every layer fused into fp32 main_grad. A layer is a Linear or a
+LayerNormLinear (LayerNorm or RMSNorm, its norm's gradients immediate), tied with the others alike.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ class Scenario:
     pre_grad: list[bool]         # per layer: weight, then bias
     first_microbatch_flag: bool
     seed: int
+    kinds: list[str]             # per layer: "Linear", or a LayerNormLinear's normalization
+
+
+KINDS = ["Linear", "LayerNorm", "RMSNorm"]
 
 
 @st.composite
@@ -84,6 +89,7 @@ def scenarios(draw) -> Scenario:
         pre_grad=draw(st.lists(st.booleans(), min_size=2 * n, max_size=2 * n)),
         first_microbatch_flag=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        kinds=draw(st.lists(st.sampled_from(KINDS), min_size=n, max_size=n)),
     )
 
 
@@ -102,9 +108,14 @@ class Program(nn.Module):
 
 
 def build(s: Scenario) -> Program:
-    layers = [splitgrad.Linear(s.width, s.width, bias=s.bias_owner[i] is not None, params_dtype=s.dtype,
-                               device="cpu", delay_wgrad_compute=s.delay[i], fuse_wgrad_accumulation=s.fuse)
-              for i in range(len(s.delay))]
+    def make(i):
+        kw = dict(bias=s.bias_owner[i] is not None, params_dtype=s.dtype, device="cpu",
+                  delay_wgrad_compute=s.delay[i], fuse_wgrad_accumulation=s.fuse)
+        if s.kinds[i] == "Linear":
+            return splitgrad.Linear(s.width, s.width, **kw)
+        return splitgrad.LayerNormLinear(s.width, s.width, normalization=s.kinds[i], **kw)
+
+    layers = [make(i) for i in range(len(s.delay))]
     for i, layer in enumerate(layers):
         layer.weight = layers[s.weight_owner[i]].weight
         if s.bias_owner[i] is not None:
@@ -120,12 +131,16 @@ def build(s: Scenario) -> Program:
                 param.main_grad = start
             else:
                 param.grad = start.to(s.dtype)
-    if s.fuse:
-        for param in model.parameters():
+    if s.fuse:  # the GEMMs' parameters (a norm's gradients go to .grad)
+        for param in _gemm_params(model):
             if getattr(param, "main_grad", None) is None:
                 param.main_grad = torch.zeros(param.shape)
             param.grad_added_to_main_grad = False
     return model
+
+
+def _gemm_params(model: Program) -> list[torch.Tensor]:
+    return [p for layer in model.layers for p in (layer.weight, layer.bias) if p is not None]
 
 
 def terms_per_parameter(s: Scenario, model: Program) -> dict[str, int]:
@@ -183,6 +198,6 @@ def test_random_models_match_plain_autograd(s: Scenario):
     run(s, high, as_dtype(inputs, torch.float64), as_dtype(grad_outputs, torch.float64), deferred=False)
 
     if s.fuse:
-        for param in model.parameters():
+        for param in _gemm_params(model):
             assert param.grad is None
     assert_grads_match(model, reference, exact=exact, high_precision=high)

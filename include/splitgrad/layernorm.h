@@ -1,0 +1,195 @@
+#pragma once
+/// \file layernorm.h
+/// splitgrad::LayerNormLinear and splitgrad::LayerNormMLP, Transformer Engine's te.LayerNormLinear
+/// and te.LayerNormMLP in the torch::nn style: a norm (ATen's layer_norm / rms_norm, differentiated
+/// by autograd in the backward, as TE does) followed by splitgrad linear maps whose weight and
+/// bias gradients can be deferred to backward_dw(). Every GEMM of a module queues its deferred
+/// work under the module's one registration, so one backward_dw() runs one backward pass's work
+/// of all of them (fc2's, then fc1's).
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "splitgrad/deferred.h"
+
+namespace splitgrad {
+
+/// Options for LayerNormLinear; the keywords are te.LayerNormLinear's.
+/// \code
+/// splitgrad::LayerNormLinear qkv(splitgrad::LayerNormLinearOptions(1024, 3072)
+///                                    .normalization("RMSNorm").delay_wgrad_compute(true));
+/// \endcode
+struct LayerNormLinearOptions {
+  LayerNormLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  /// Added to the variance (LayerNorm) or the mean square (RMSNorm).
+  TORCH_ARG(double, eps) = 1e-5;
+  /// Whether the linear map has a bias.
+  TORCH_ARG(bool, bias) = true;
+  /// "LayerNorm" (layer_norm_weight and layer_norm_bias) or "RMSNorm" (layer_norm_weight only).
+  TORCH_ARG(std::string, normalization) = "LayerNorm";
+  /// The norm scales by 1 + layer_norm_weight (which starts at 0), as TE's zero_centered_gamma.
+  TORCH_ARG(bool, zero_centered_gamma) = false;
+  /// Queue the weight/bias gradients in backward; compute them in backward_dw(). The norm's
+  /// gradients are computed in the backward either way.
+  TORCH_ARG(bool, delay_wgrad_compute) = false;
+  /// Accumulate the weight gradient into the fp32 buffer set with set_main_grad(); the bias's
+  /// too if it has one, else into the bias's `.grad`. The norm's gradients go to `.grad`.
+  TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
+  /// Parameter dtype (default: torch's default dtype).
+  TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
+  /// Parameter device (default: CUDA when available, else the CPU).
+  TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// Name used in messages about this module (default: "LayerNormLinear(in, out)#id").
+  TORCH_ARG(std::string, name) = "";
+};
+
+/// y = norm(x)·Wᵀ + b.
+class LayerNormLinearImpl : public torch::nn::Cloneable<LayerNormLinearImpl> {
+ public:
+  LayerNormLinearImpl(int64_t in_features, int64_t out_features)
+      : LayerNormLinearImpl(LayerNormLinearOptions(in_features, out_features)) {}
+  explicit LayerNormLinearImpl(const LayerNormLinearOptions& options);
+
+  /// Creates the parameters (norm weight 1, or 0 with zero_centered_gamma; norm bias 0; the
+  /// linear map as nn.Linear initialises it) and registers the module.
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// norm(x)·Wᵀ + b for x of shape [*, in_features].
+  torch::Tensor forward(const torch::Tensor& input);
+  /// (norm(x)·Wᵀ + b, norm(x)): TE's return_layernorm_output.
+  std::tuple<torch::Tensor, torch::Tensor> forward_with_layernorm_output(
+      const torch::Tensor& input);
+
+  /// Runs this module's deferred wgrad for the oldest backward pass still pending. Does nothing
+  /// when built with delay_wgrad_compute=false; throws if a delayed module has nothing pending.
+  void backward_dw();
+  /// Runs the deferred wgrad queued by backward pass `pass` (see pending_passes()).
+  void backward_dw(int64_t pass);
+  /// The backward passes with work queued for this module, oldest first.
+  std::vector<int64_t> pending_passes() const;
+  /// Deferred wgrad items queued for this module (one per application).
+  int64_t pending_wgrads() const;
+
+  /// Makes the parameter `name` ("layer_norm_weight", "layer_norm_bias", "weight" or "bias")
+  /// this tensor (typically another module's parameter): a leaf of the same shape, dtype and
+  /// device. Every contribution to the shared parameter accumulates.
+  void tie_parameter(const std::string& name, const torch::Tensor& param);
+
+  /// Registers `hook(param)` as a grad-ready hook of each of this module's parameters (TE's name).
+  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
+
+  /// A deep copy with a registration (and, for a named module, a name "<name>#<id>") of its own.
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<at::Device>& device = std::nullopt) const override;
+  /// torch::save: runs the pending-work guard (check_pending_wgrads) first.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Runs the pending-work guard first.
+  void zero_grad(bool set_to_none = true) override;
+
+  LayerNormLinearOptions options;
+  torch::Tensor layer_norm_weight;
+  torch::Tensor layer_norm_bias;  ///< undefined for RMSNorm
+  torch::Tensor weight;
+  torch::Tensor bias;
+
+ private:
+  std::shared_ptr<LayerHandle> layer_;
+};
+
+/// A ModuleHolder for LayerNormLinearImpl.
+TORCH_MODULE(LayerNormLinear);
+
+/// Options for LayerNormMLP; the keywords are te.LayerNormMLP's.
+/// \code
+/// splitgrad::LayerNormMLP mlp(splitgrad::LayerNormMLPOptions(1024, 4096)
+///                                 .activation("swiglu").delay_wgrad_compute(true));
+/// \endcode
+struct LayerNormMLPOptions {
+  LayerNormMLPOptions(int64_t hidden_size, int64_t ffn_hidden_size)
+      : hidden_size_(hidden_size), ffn_hidden_size_(ffn_hidden_size) {}
+  /// Size of the input's last dimension and of the output's.
+  TORCH_ARG(int64_t, hidden_size);
+  /// fc2's input size; fc1's output size (twice that for a gated activation).
+  TORCH_ARG(int64_t, ffn_hidden_size);
+  TORCH_ARG(double, eps) = 1e-5;
+  /// Whether fc1 and fc2 have biases.
+  TORCH_ARG(bool, bias) = true;
+  /// "LayerNorm" or "RMSNorm".
+  TORCH_ARG(std::string, normalization) = "LayerNorm";
+  /// TE's names: "gelu" (the tanh approximation, as TE computes it), "relu", "silu", or the
+  /// gated "geglu", "reglu", "swiglu": fc1's output [a | b] gives act(a) * b (TE gates the
+  /// first half).
+  TORCH_ARG(std::string, activation) = "gelu";
+  TORCH_ARG(bool, zero_centered_gamma) = false;
+  TORCH_ARG(bool, delay_wgrad_compute) = false;
+  TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
+  TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
+  TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// Name used in messages (default: "LayerNormMLP(hidden, ffn)#id").
+  TORCH_ARG(std::string, name) = "";
+};
+
+/// y = fc2(act(fc1(norm(x)))).
+class LayerNormMLPImpl : public torch::nn::Cloneable<LayerNormMLPImpl> {
+ public:
+  LayerNormMLPImpl(int64_t hidden_size, int64_t ffn_hidden_size)
+      : LayerNormMLPImpl(LayerNormMLPOptions(hidden_size, ffn_hidden_size)) {}
+  explicit LayerNormMLPImpl(const LayerNormMLPOptions& options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  /// fc2(act(fc1(norm(x)))) for x of shape [*, hidden_size].
+  torch::Tensor forward(const torch::Tensor& input);
+  /// (fc2(act(fc1(norm(x)))), norm(x)): TE's return_layernorm_output.
+  std::tuple<torch::Tensor, torch::Tensor> forward_with_layernorm_output(
+      const torch::Tensor& input);
+
+  /// Runs one backward pass's deferred wgrad of both GEMMs (fc2's, then fc1's): the oldest
+  /// pending. Does nothing for a regular module; throws if a delayed one has nothing pending.
+  void backward_dw();
+  void backward_dw(int64_t pass);
+  std::vector<int64_t> pending_passes() const;
+  /// Deferred wgrad items queued for this module (two per application: fc2 and fc1).
+  int64_t pending_wgrads() const;
+
+  /// As LayerNormLinear's, for "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias",
+  /// "fc2_weight" or "fc2_bias".
+  void tie_parameter(const std::string& name, const torch::Tensor& param);
+  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
+
+  std::shared_ptr<torch::nn::Module> clone(
+      const std::optional<at::Device>& device = std::nullopt) const override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void zero_grad(bool set_to_none = true) override;
+
+  LayerNormMLPOptions options;
+  torch::Tensor layer_norm_weight;
+  torch::Tensor layer_norm_bias;  ///< undefined for RMSNorm
+  torch::Tensor fc1_weight;       ///< [ffn (2·ffn gated), hidden]
+  torch::Tensor fc1_bias;
+  torch::Tensor fc2_weight;  ///< [hidden, ffn]
+  torch::Tensor fc2_bias;
+
+ private:
+  std::shared_ptr<LayerHandle> layer_;
+};
+
+/// A ModuleHolder for LayerNormMLPImpl.
+TORCH_MODULE(LayerNormMLP);
+
+}  // namespace splitgrad

@@ -1,0 +1,370 @@
+#include "splitgrad/layernorm.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/layer_norm.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/silu.h>
+
+#include <algorithm>
+#include <array>
+
+#include "api/module_common.h"
+#include "ops/checks.h"
+#include "ops/deferred_internal.h"
+#include "splitgrad/ops.h"
+
+namespace splitgrad {
+namespace {
+
+using OptTensor = std::optional<at::Tensor>;
+
+OptTensor optional_if_defined(const at::Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+
+void check_normalization(const char* module, const std::string& normalization) {
+  TORCH_CHECK_VALUE(normalization == "LayerNorm" || normalization == "RMSNorm", module,
+                    ": expected normalization \"LayerNorm\" or \"RMSNorm\", got \"", normalization,
+                    "\"");
+}
+
+// Registers layer_norm_weight (1, or 0 when zero-centred) and, for LayerNorm, layer_norm_bias (0).
+void register_norm(torch::nn::Module& module, int64_t hidden, const std::string& normalization,
+                   const at::TensorOptions& tensor_options, torch::Tensor& weight,
+                   torch::Tensor& bias) {
+  weight = module.register_parameter("layer_norm_weight", torch::empty({hidden}, tensor_options));
+  bias = normalization == "LayerNorm"
+             ? module.register_parameter("layer_norm_bias", torch::empty({hidden}, tensor_options))
+             : module.register_parameter("layer_norm_bias", torch::Tensor(),
+                                         /*requires_grad=*/false);
+}
+
+void reset_norm(const torch::Tensor& weight, const torch::Tensor& bias, bool zero_centered) {
+  torch::NoGradGuard no_grad;
+  weight.fill_(zero_centered ? 0.0 : 1.0);  // zero-centred gamma stores gamma - 1
+  if (bias.defined()) bias.zero_();
+}
+
+// The input's checks, naming the module, before the norm runs (the first GEMM's own checks).
+void check_input(const LayerHandle& layer, const torch::Tensor& input,
+                 const torch::Tensor& first_weight) {
+  TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer.name(),
+                    "': expected an input of shape [*, ", first_weight.size(1),
+                    "], got an undefined tensor");
+  // Under autocast the norm and the GEMM cast the input themselves.
+  const bool autocast =
+      input.is_floating_point() && at::autocast::is_autocast_enabled(input.device().type());
+  detail::check_linear_args(
+      [&] { return detail::layer_label(layer.id()); }, input, first_weight, std::nullopt,
+      autocast ? std::optional<at::ScalarType>(input.scalar_type()) : std::nullopt);
+}
+
+// ATen's own differentiable norms: autograd computes their gradients in the backward.
+torch::Tensor normalize(const torch::Tensor& input, const std::string& normalization,
+                        const torch::Tensor& weight, const torch::Tensor& bias, double eps,
+                        bool zero_centered) {
+  const torch::Tensor gamma = zero_centered ? weight + 1 : weight;
+  const std::array<int64_t, 1> shape{gamma.size(0)};
+  if (normalization == "LayerNorm") {
+    return at::layer_norm(input, shape, gamma, optional_if_defined(bias), eps);
+  }
+  return at::rms_norm(input, shape, gamma, eps);
+}
+
+bool gated(const std::string& activation) {
+  return activation == "geglu" || activation == "reglu" || activation == "swiglu";
+}
+
+void check_activation(const std::string& activation) {
+  static const std::array<const char*, 6> names{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
+  TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), activation) != names.end(),
+                    "splitgrad::LayerNormMLP: expected activation \"gelu\", \"relu\", \"silu\", "
+                    "\"geglu\", \"reglu\" or \"swiglu\", got \"",
+                    activation, "\"");
+}
+
+// TE's activations: "gelu" is the tanh approximation; a gated one computes act(a) * b for
+// x = [a | b] along the last dimension.
+torch::Tensor activate(const std::string& activation, const torch::Tensor& x) {
+  auto act = [&](const torch::Tensor& t) {
+    if (activation == "gelu" || activation == "geglu") return at::gelu(t, "tanh");
+    if (activation == "relu" || activation == "reglu") return at::relu(t);
+    return at::silu(t);
+  };
+  if (!gated(activation)) return act(x);
+  const auto halves = x.chunk(2, /*dim=*/-1);
+  return act(halves[0]) * halves[1];
+}
+
+// Checks a tie and sets the member named `name` among `members` to `tied` (the caller updates
+// its registered parameter, which only the module itself may touch).
+void tie(const LayerHandle& layer, const std::string& name,
+         const std::vector<std::pair<const char*, torch::Tensor*>>& members,
+         const torch::Tensor& tied) {
+  for (const auto& [member_name, member] : members) {
+    if (name != member_name) continue;
+    TORCH_CHECK_VALUE(member->defined(), "splitgrad layer '", layer.name(), "': tie_parameter(\"",
+                      name, "\") on a module built without a ", name);
+    detail::check_tie(layer, c10::str("tie_parameter(\"", name, "\")"), name, *member, tied);
+    *member = tied;
+    return;
+  }
+  std::string known;
+  for (const auto& member : members) known += c10::str(known.empty() ? "" : ", ", member.first);
+  TORCH_CHECK_VALUE(false, "splitgrad layer '", layer.name(), "': tie_parameter expected one of ",
+                    known, ", got \"", name, "\"");
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// LayerNormLinear
+
+LayerNormLinearImpl::LayerNormLinearImpl(const LayerNormLinearOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void LayerNormLinearImpl::reset() {
+  TORCH_CHECK_VALUE(options.in_features() > 0 && options.out_features() > 0,
+                    "splitgrad::LayerNormLinear: expected positive in_features and out_features, "
+                    "got ",
+                    options.in_features(), " and ", options.out_features());
+  check_normalization("splitgrad::LayerNormLinear", options.normalization());
+  const auto tensor_options =
+      torch::TensorOptions()
+          .dtype(detail::module_dtype("splitgrad::LayerNormLinear", options.params_dtype()))
+          .device(detail::module_device(options.device()));
+  register_norm(*this, options.in_features(), options.normalization(), tensor_options,
+                layer_norm_weight, layer_norm_bias);
+  weight = register_parameter(
+      "weight", torch::empty({options.out_features(), options.in_features()}, tensor_options));
+  bias = options.bias()
+             ? register_parameter("bias", torch::empty({options.out_features()}, tensor_options))
+             : register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  layer_ = detail::register_layer(
+      options.name(),
+      c10::str("LayerNormLinear(", options.in_features(), ", ", options.out_features(), ")"));
+  reset_parameters();
+}
+
+void LayerNormLinearImpl::reset_parameters() {
+  reset_norm(layer_norm_weight, layer_norm_bias, options.zero_centered_gamma());
+  detail::reset_linear(weight, bias);
+}
+
+void LayerNormLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "splitgrad::LayerNormLinear(in_features=" << options.in_features()
+         << ", out_features=" << options.out_features() << ", bias=" << std::boolalpha
+         << options.bias() << ", normalization=" << options.normalization()
+         << ", zero_centered_gamma=" << options.zero_centered_gamma()
+         << ", delay_wgrad_compute=" << options.delay_wgrad_compute()
+         << ", fuse_wgrad_accumulation=" << options.fuse_wgrad_accumulation() << ")";
+}
+
+std::tuple<torch::Tensor, torch::Tensor> LayerNormLinearImpl::forward_with_layernorm_output(
+    const torch::Tensor& input) {
+  check_input(*layer_, input, weight);
+  torch::Tensor ln_out = normalize(input, options.normalization(), layer_norm_weight,
+                                   layer_norm_bias, options.eps(), options.zero_centered_gamma());
+  OptTensor weight_main_grad, bias_main_grad;
+  if (options.fuse_wgrad_accumulation()) {
+    weight_main_grad = detail::fused_main_grad(*layer_, weight, "weight", /*required=*/true);
+    bias_main_grad = detail::fused_main_grad(*layer_, bias, "bias", /*required=*/false);
+  }
+  torch::Tensor out = ops::linear(ln_out, weight, optional_if_defined(bias), weight_main_grad,
+                                  bias_main_grad, layer_->id(), options.delay_wgrad_compute());
+  return {out, ln_out};
+}
+
+torch::Tensor LayerNormLinearImpl::forward(const torch::Tensor& input) {
+  return std::get<0>(forward_with_layernorm_output(input));
+}
+
+void LayerNormLinearImpl::backward_dw() {
+  if (options.delay_wgrad_compute()) layer_->backward_dw();
+}
+
+void LayerNormLinearImpl::backward_dw(int64_t pass) {
+  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
+}
+
+std::vector<int64_t> LayerNormLinearImpl::pending_passes() const {
+  return layer_->pending_passes();
+}
+
+int64_t LayerNormLinearImpl::pending_wgrads() const { return layer_->pending(); }
+
+void LayerNormLinearImpl::tie_parameter(const std::string& name, const torch::Tensor& param) {
+  tie(*layer_, name,
+      {{"layer_norm_weight", &layer_norm_weight},
+       {"layer_norm_bias", &layer_norm_bias},
+       {"weight", &weight},
+       {"bias", &bias}},
+      param);
+  parameters_[name] = param;
+}
+
+void LayerNormLinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
+  for (const auto& param : parameters(/*recurse=*/false)) {
+    if (param.requires_grad()) register_grad_ready_hook(param, hook);
+  }
+}
+
+std::shared_ptr<torch::nn::Module> LayerNormLinearImpl::clone(
+    const std::optional<at::Device>& device) const {
+  auto copy = torch::nn::Cloneable<LayerNormLinearImpl>::clone(device);
+  auto& module = static_cast<LayerNormLinearImpl&>(*copy);
+  if (!options.name().empty()) {  // reset() gave the copy its own registration: name it apart
+    module.options.name(c10::str(options.name(), "#", module.layer_->id()));
+    module.layer_->set_name(module.options.name());
+  }
+  return copy;
+}
+
+void LayerNormLinearImpl::save(torch::serialize::OutputArchive& archive) const {
+  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"),
+                       parameters(/*recurse=*/false));
+  torch::nn::Cloneable<LayerNormLinearImpl>::save(archive);
+}
+
+void LayerNormLinearImpl::zero_grad(bool set_to_none) {
+  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
+                       parameters(/*recurse=*/false));
+  torch::nn::Cloneable<LayerNormLinearImpl>::zero_grad(set_to_none);
+}
+
+// ---------------------------------------------------------------------------------------------
+// LayerNormMLP
+
+LayerNormMLPImpl::LayerNormMLPImpl(const LayerNormMLPOptions& options_) : options(options_) {
+  reset();
+}
+
+void LayerNormMLPImpl::reset() {
+  TORCH_CHECK_VALUE(options.hidden_size() > 0 && options.ffn_hidden_size() > 0,
+                    "splitgrad::LayerNormMLP: expected positive hidden_size and ffn_hidden_size, "
+                    "got ",
+                    options.hidden_size(), " and ", options.ffn_hidden_size());
+  check_normalization("splitgrad::LayerNormMLP", options.normalization());
+  check_activation(options.activation());
+  const auto tensor_options =
+      torch::TensorOptions()
+          .dtype(detail::module_dtype("splitgrad::LayerNormMLP", options.params_dtype()))
+          .device(detail::module_device(options.device()));
+  const int64_t hidden = options.hidden_size(), ffn = options.ffn_hidden_size();
+  const int64_t fc1_out = gated(options.activation()) ? 2 * ffn : ffn;
+  register_norm(*this, hidden, options.normalization(), tensor_options, layer_norm_weight,
+                layer_norm_bias);
+  // TE's order: fc1_weight, fc1_bias, fc2_weight, fc2_bias.
+  fc1_weight = register_parameter("fc1_weight", torch::empty({fc1_out, hidden}, tensor_options));
+  fc1_bias = options.bias()
+                 ? register_parameter("fc1_bias", torch::empty({fc1_out}, tensor_options))
+                 : register_parameter("fc1_bias", torch::Tensor(), /*requires_grad=*/false);
+  fc2_weight = register_parameter("fc2_weight", torch::empty({hidden, ffn}, tensor_options));
+  fc2_bias = options.bias()
+                 ? register_parameter("fc2_bias", torch::empty({hidden}, tensor_options))
+                 : register_parameter("fc2_bias", torch::Tensor(), /*requires_grad=*/false);
+  layer_ =
+      detail::register_layer(options.name(), c10::str("LayerNormMLP(", hidden, ", ", ffn, ")"));
+  reset_parameters();
+}
+
+void LayerNormMLPImpl::reset_parameters() {
+  reset_norm(layer_norm_weight, layer_norm_bias, options.zero_centered_gamma());
+  detail::reset_linear(fc1_weight, fc1_bias);
+  detail::reset_linear(fc2_weight, fc2_bias);
+}
+
+void LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
+  stream << "splitgrad::LayerNormMLP(hidden_size=" << options.hidden_size()
+         << ", ffn_hidden_size=" << options.ffn_hidden_size() << ", bias=" << std::boolalpha
+         << options.bias() << ", normalization=" << options.normalization()
+         << ", activation=" << options.activation()
+         << ", zero_centered_gamma=" << options.zero_centered_gamma()
+         << ", delay_wgrad_compute=" << options.delay_wgrad_compute()
+         << ", fuse_wgrad_accumulation=" << options.fuse_wgrad_accumulation() << ")";
+}
+
+std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernorm_output(
+    const torch::Tensor& input) {
+  check_input(*layer_, input, fc1_weight);
+  torch::Tensor ln_out = normalize(input, options.normalization(), layer_norm_weight,
+                                   layer_norm_bias, options.eps(), options.zero_centered_gamma());
+  // Both GEMMs queue under this module's id: one backward_dw() runs a pass's fc2 and fc1 work.
+  auto gemm = [&](const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                  const char* weight_name, const char* bias_name) {
+    OptTensor weight_main_grad, bias_main_grad;
+    if (options.fuse_wgrad_accumulation()) {
+      weight_main_grad = detail::fused_main_grad(*layer_, weight, weight_name, /*required=*/true);
+      bias_main_grad = detail::fused_main_grad(*layer_, bias, bias_name, /*required=*/false);
+    }
+    return ops::linear(x, weight, optional_if_defined(bias), weight_main_grad, bias_main_grad,
+                       layer_->id(), options.delay_wgrad_compute());
+  };
+  torch::Tensor hidden =
+      activate(options.activation(), gemm(ln_out, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias"));
+  torch::Tensor out = gemm(hidden, fc2_weight, fc2_bias, "fc2_weight", "fc2_bias");
+  return {out, ln_out};
+}
+
+torch::Tensor LayerNormMLPImpl::forward(const torch::Tensor& input) {
+  return std::get<0>(forward_with_layernorm_output(input));
+}
+
+void LayerNormMLPImpl::backward_dw() {
+  if (options.delay_wgrad_compute()) layer_->backward_dw();
+}
+
+void LayerNormMLPImpl::backward_dw(int64_t pass) {
+  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
+}
+
+std::vector<int64_t> LayerNormMLPImpl::pending_passes() const { return layer_->pending_passes(); }
+
+int64_t LayerNormMLPImpl::pending_wgrads() const { return layer_->pending(); }
+
+void LayerNormMLPImpl::tie_parameter(const std::string& name, const torch::Tensor& param) {
+  tie(*layer_, name,
+      {{"layer_norm_weight", &layer_norm_weight},
+       {"layer_norm_bias", &layer_norm_bias},
+       {"fc1_weight", &fc1_weight},
+       {"fc1_bias", &fc1_bias},
+       {"fc2_weight", &fc2_weight},
+       {"fc2_bias", &fc2_bias}},
+      param);
+  parameters_[name] = param;
+}
+
+void LayerNormMLPImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
+  for (const auto& param : parameters(/*recurse=*/false)) {
+    if (param.requires_grad()) register_grad_ready_hook(param, hook);
+  }
+}
+
+std::shared_ptr<torch::nn::Module> LayerNormMLPImpl::clone(
+    const std::optional<at::Device>& device) const {
+  auto copy = torch::nn::Cloneable<LayerNormMLPImpl>::clone(device);
+  auto& module = static_cast<LayerNormMLPImpl&>(*copy);
+  if (!options.name().empty()) {  // reset() gave the copy its own registration: name it apart
+    module.options.name(c10::str(options.name(), "#", module.layer_->id()));
+    module.layer_->set_name(module.options.name());
+  }
+  return copy;
+}
+
+void LayerNormMLPImpl::save(torch::serialize::OutputArchive& archive) const {
+  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"),
+                       parameters(/*recurse=*/false));
+  torch::nn::Cloneable<LayerNormMLPImpl>::save(archive);
+}
+
+void LayerNormMLPImpl::zero_grad(bool set_to_none) {
+  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
+                       parameters(/*recurse=*/false));
+  torch::nn::Cloneable<LayerNormMLPImpl>::zero_grad(set_to_none);
+}
+
+}  // namespace splitgrad

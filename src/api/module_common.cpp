@@ -1,0 +1,74 @@
+#include "api/module_common.h"
+
+#include <c10/core/DefaultDtype.h>
+#include <torch/cuda.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#include "ops/checks.h"
+
+namespace splitgrad::detail {
+
+at::Device module_device(const std::optional<at::Device>& device) {
+  return device.value_or(torch::cuda::is_available() ? at::Device(at::kCUDA)
+                                                     : at::Device(at::kCPU));
+}
+
+at::ScalarType module_dtype(const char* module, const std::optional<at::ScalarType>& dtype) {
+  const at::ScalarType type = dtype.value_or(c10::typeMetaToScalarType(c10::get_default_dtype()));
+  TORCH_CHECK_TYPE(at::isFloatingType(type), module,
+                   ": expected a floating-point params_dtype (torch.float32, torch.bfloat16, "
+                   "...), got ",
+                   dtype_name(type));
+  return type;
+}
+
+std::shared_ptr<LayerHandle> register_layer(const std::string& name,
+                                            const std::string& default_prefix) {
+  auto layer = std::make_shared<LayerHandle>(name);
+  if (name.empty()) layer->set_name(c10::str(default_prefix, "#", layer->id()));
+  return layer;
+}
+
+void reset_linear(const at::Tensor& weight, const at::Tensor& bias) {
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (bias.defined()) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(weight.size(1)));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Tensor& param,
+                                          const std::string& what, bool required) {
+  if (!param.defined() || !param.requires_grad()) return std::nullopt;
+  at::Tensor buffer = main_grad(param);
+  if (!buffer.defined() && !required) return std::nullopt;
+  TORCH_CHECK_VALUE(buffer.defined(), "splitgrad layer '", layer.name(),
+                    "': fuse_wgrad_accumulation=true needs the ", what,
+                    "'s main_grad (an fp32 tensor of shape ", param.sizes(),
+                    "); set it with splitgrad::set_main_grad()");
+  return buffer;
+}
+
+void check_tie(const LayerHandle& layer, const std::string& call, const std::string& what,
+               const at::Tensor& current, const at::Tensor& tied) {
+  const std::string who = c10::str("splitgrad layer '", layer.name(), "': ", call);
+  TORCH_CHECK_VALUE(tied.defined(), who, " expected a ", what, " of shape ", current.sizes(),
+                    ", got an undefined tensor");
+  TORCH_CHECK_VALUE(tied.sizes() == current.sizes(), who, " expected a ", what, " of shape ",
+                    current.sizes(), ", got ", tied.sizes());
+  // A deferred gradient is added to the tied tensor's own .grad: for a non-leaf (a view such as
+  // other->weight.t()) it would never reach the parameter behind it.
+  TORCH_CHECK_VALUE(tied.is_leaf(), who,
+                    " expected a parameter (a leaf tensor), got a non-leaf tensor (a view or the "
+                    "result of an op, such as other->weight.t()). Tie to the parameter itself; for "
+                    "a transposed tie, use torch::nn::functional::linear(x, other->weight.t()).");
+  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a ", what,
+                   " of dtype ", dtype_name(current.scalar_type()), " (the layer's), got ",
+                   dtype_name(tied.scalar_type()));
+  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
+                    current.device(), " (the layer's device), got ", tied.device());
+}
+
+}  // namespace splitgrad::detail

@@ -1,0 +1,42 @@
+#pragma once
+// What the C++ modules (Linear, LayerNormLinear, LayerNormMLP) share, written once: where their
+// parameters go, their registration with the deferred-wgrad store, nn.Linear's initialisation,
+// the fused main_grad lookup and the checks of a tie.
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "splitgrad/deferred.h"
+
+namespace splitgrad::detail {
+
+/// The parameters' device: `device`, else CUDA when it is available, else the CPU.
+at::Device module_device(const std::optional<at::Device>& device);
+
+/// The parameters' dtype: `dtype`, else torch's default dtype; must be floating
+/// (c10::TypeError naming `module`, e.g. "splitgrad::Linear", otherwise).
+at::ScalarType module_dtype(const char* module, const std::optional<at::ScalarType>& dtype);
+
+/// A registration named `name`, or "<default_prefix>#<id>" when `name` is empty.
+std::shared_ptr<LayerHandle> register_layer(const std::string& name,
+                                            const std::string& default_prefix);
+
+/// nn.Linear's initialisation: kaiming-uniform weight [out, in], bias (if defined) uniform in
+/// ±1/sqrt(in).
+void reset_linear(const at::Tensor& weight, const at::Tensor& bias);
+
+/// For fuse_wgrad_accumulation: `param`'s main_grad (set_main_grad). nullopt for a parameter that
+/// is undefined or frozen, or has none and is not `required` (a bias: its gradient goes to
+/// .grad); a required one missing is a c10::ValueError naming the layer and `what`.
+std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Tensor& param,
+                                          const std::string& what, bool required);
+
+/// Checks that `tied` can replace `current` as `what` of `layer` (`call` names the method in
+/// messages: "tie_weight"): a defined leaf of its shape, dtype and device.
+void check_tie(const LayerHandle& layer, const std::string& call, const std::string& what,
+               const at::Tensor& current, const at::Tensor& tied);
+
+}  // namespace splitgrad::detail

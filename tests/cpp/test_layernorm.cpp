@@ -1,0 +1,324 @@
+// splitgrad::LayerNormLinear and splitgrad::LayerNormMLP against the same blocks in plain libtorch
+// autograd (at::layer_norm / at::rms_norm, torch::nn::functional::linear and the activation, on
+// parameters cloned from the module's). The same ATen kernels run on both sides on the CPU, so
+// float32 results are compared bit for bit.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "splitgrad/splitgrad.h"
+#include "test_helpers.h"
+
+namespace {
+
+namespace F = torch::nn::functional;
+using splitgrad::LayerNormLinear;
+using splitgrad::LayerNormLinearOptions;
+using splitgrad::LayerNormMLP;
+using splitgrad::LayerNormMLPOptions;
+using splitgrad_test::error_message;
+
+constexpr int64_t kHidden = 8, kFfn = 12, kOut = 6;
+const std::vector<std::string> kActivations{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
+const std::vector<std::string> kNorms{"LayerNorm", "RMSNorm"};
+
+::testing::AssertionResult Bitwise(const torch::Tensor& actual, const torch::Tensor& expected) {
+  if (actual.defined() != expected.defined()) {
+    return ::testing::AssertionFailure()
+           << "defined: " << actual.defined() << " vs " << expected.defined();
+  }
+  if (!actual.defined() || torch::equal(actual, expected)) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << "not bitwise equal: " << actual.sizes() << " vs " << expected.sizes();
+}
+
+// Non-trivial values for every parameter (the norm's defaults are 1 and 0).
+void randomize(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (auto& param : module.parameters()) param.copy_(torch::randn(param.sizes()) * 0.5);
+}
+
+torch::Tensor ref_param(const torch::Tensor& param) {
+  return param.defined() ? param.detach().clone().requires_grad_() : torch::Tensor();
+}
+
+// The norm in plain libtorch: nn::LayerNorm's / nn::RMSNorm's computation.
+torch::Tensor ref_norm(const torch::Tensor& x, const std::string& normalization,
+                       const torch::Tensor& weight, const torch::Tensor& bias, bool zero_centered) {
+  const torch::Tensor gamma = zero_centered ? weight + 1 : weight;
+  if (normalization == "LayerNorm") {
+    return at::layer_norm(x, {gamma.size(0)}, gamma,
+                          bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt, 1e-5);
+  }
+  return at::rms_norm(x, {gamma.size(0)}, gamma, 1e-5);
+}
+
+torch::Tensor ref_activation(const std::string& name, const torch::Tensor& x) {
+  auto act = [&](const torch::Tensor& t) {
+    if (name == "gelu" || name == "geglu") return torch::gelu(t, "tanh");
+    if (name == "relu" || name == "reglu") return torch::relu(t);
+    return torch::silu(t);
+  };
+  if (name == "gelu" || name == "relu" || name == "silu") return act(x);
+  auto halves = x.chunk(2, -1);  // TE gates the first half
+  return act(halves[0]) * halves[1];
+}
+
+// ---------------------------------------------------------------------------------------------
+
+TEST(LayerNormLinear, MatchesPlainAutogradForEveryOption) {
+  for (const auto& normalization : kNorms) {
+    for (bool zero_centered : {false, true}) {
+      for (bool bias : {false, true}) {
+        for (bool delay : {false, true}) {
+          SCOPED_TRACE(normalization + " zero_centered=" + std::to_string(zero_centered) +
+                       " bias=" + std::to_string(bias) + " delay=" + std::to_string(delay));
+          LayerNormLinear m(LayerNormLinearOptions(kHidden, kOut)
+                                .normalization(normalization)
+                                .zero_centered_gamma(zero_centered)
+                                .bias(bias)
+                                .delay_wgrad_compute(delay)
+                                .device(torch::kCPU));
+          randomize(*m);
+          auto lw = ref_param(m->layer_norm_weight), lb = ref_param(m->layer_norm_bias);
+          auto w = ref_param(m->weight), b = ref_param(m->bias);
+          auto x = torch::randn({2, 3, kHidden}, torch::requires_grad());
+          auto xr = x.detach().clone().requires_grad_();
+          auto [out, ln_out] = m->forward_with_layernorm_output(x);
+          (out.sum() + (ln_out * 0.5).sum()).backward();
+          EXPECT_EQ(m->pending_wgrads(), delay ? 1 : 0);
+          m->backward_dw();
+          auto ref_ln = ref_norm(xr, normalization, lw, lb, zero_centered);
+          auto ref_out = F::linear(ref_ln, w, b);
+          (ref_out.sum() + (ref_ln * 0.5).sum()).backward();
+          EXPECT_TRUE(Bitwise(out, ref_out));
+          EXPECT_TRUE(Bitwise(ln_out, ref_ln));
+          EXPECT_TRUE(Bitwise(x.grad(), xr.grad()));
+          EXPECT_TRUE(Bitwise(m->layer_norm_weight.grad(), lw.grad()));
+          EXPECT_TRUE(
+              Bitwise(m->layer_norm_bias.defined() ? m->layer_norm_bias.grad() : torch::Tensor(),
+                      lb.defined() ? lb.grad() : torch::Tensor()));
+          EXPECT_TRUE(Bitwise(m->weight.grad(), w.grad()));
+          EXPECT_TRUE(
+              Bitwise(bias ? m->bias.grad() : torch::Tensor(), bias ? b.grad() : torch::Tensor()));
+        }
+      }
+    }
+  }
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+}
+
+TEST(LayerNormMLP, MatchesPlainAutogradForEveryActivationAndNorm) {
+  for (const auto& normalization : kNorms) {
+    for (const auto& activation : kActivations) {
+      for (bool delay : {false, true}) {
+        SCOPED_TRACE(normalization + " " + activation + " delay=" + std::to_string(delay));
+        LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn)
+                           .normalization(normalization)
+                           .activation(activation)
+                           .delay_wgrad_compute(delay)
+                           .device(torch::kCPU));
+        randomize(*m);
+        auto lw = ref_param(m->layer_norm_weight), lb = ref_param(m->layer_norm_bias);
+        auto w1 = ref_param(m->fc1_weight), b1 = ref_param(m->fc1_bias);
+        auto w2 = ref_param(m->fc2_weight), b2 = ref_param(m->fc2_bias);
+        auto x = torch::randn({5, kHidden}, torch::requires_grad());
+        auto xr = x.detach().clone().requires_grad_();
+        auto out = m->forward(x);
+        out.pow(2).sum().backward();
+        EXPECT_EQ(m->pending_wgrads(), delay ? 2 : 0);
+        m->backward_dw();
+        auto ref_out =
+            F::linear(ref_activation(activation,
+                                     F::linear(ref_norm(xr, normalization, lw, lb, false), w1, b1)),
+                      w2, b2);
+        ref_out.pow(2).sum().backward();
+        EXPECT_TRUE(Bitwise(out, ref_out));
+        EXPECT_TRUE(Bitwise(x.grad(), xr.grad()));
+        EXPECT_TRUE(Bitwise(m->layer_norm_weight.grad(), lw.grad()));
+        EXPECT_TRUE(Bitwise(m->fc1_weight.grad(), w1.grad()));
+        EXPECT_TRUE(Bitwise(m->fc1_bias.grad(), b1.grad()));
+        EXPECT_TRUE(Bitwise(m->fc2_weight.grad(), w2.grad()));
+        EXPECT_TRUE(Bitwise(m->fc2_bias.grad(), b2.grad()));
+      }
+    }
+  }
+}
+
+TEST(LayerNormMLP, ParametersHaveTeNamesAndShapes) {
+  LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn).activation("swiglu").device(torch::kCPU));
+  std::vector<std::string> names;
+  for (const auto& item : m->named_parameters()) names.push_back(item.key());
+  EXPECT_EQ(names, (std::vector<std::string>{"layer_norm_weight", "layer_norm_bias", "fc1_weight",
+                                             "fc1_bias", "fc2_weight", "fc2_bias"}));
+  EXPECT_EQ(m->fc1_weight.sizes(), (std::vector<int64_t>{2 * kFfn, kHidden}));
+  EXPECT_EQ(m->fc2_weight.sizes(), (std::vector<int64_t>{kHidden, kFfn}));
+  EXPECT_TRUE(torch::equal(m->layer_norm_weight, torch::ones({kHidden})));
+  LayerNormLinear rms(
+      LayerNormLinearOptions(kHidden, kOut).normalization("RMSNorm").zero_centered_gamma(true));
+  EXPECT_FALSE(rms->layer_norm_bias.defined());
+  EXPECT_TRUE(torch::equal(rms->layer_norm_weight.cpu(), torch::zeros({kHidden})));
+}
+
+TEST(LayerNormMLP, OneBackwardDwRunsOnePassOfFc2ThenFc1) {
+  LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn).delay_wgrad_compute(true).device(torch::kCPU));
+  std::vector<std::string> order;
+  splitgrad::register_grad_ready_hook(m->fc1_weight,
+                                      [&](const torch::Tensor&) { order.push_back("fc1"); });
+  splitgrad::register_grad_ready_hook(m->fc2_weight,
+                                      [&](const torch::Tensor&) { order.push_back("fc2"); });
+  m->forward(torch::randn({2, kHidden})).sum().backward();
+  m->forward(torch::randn({2, kHidden})).sum().backward();
+  EXPECT_EQ(m->pending_wgrads(), 4);
+  EXPECT_EQ(m->pending_passes().size(), 2u);
+  EXPECT_TRUE(order.empty());
+  m->backward_dw();
+  EXPECT_EQ(order, (std::vector<std::string>{"fc2", "fc1"}));
+  EXPECT_EQ(m->pending_wgrads(), 2);
+  m->backward_dw(m->pending_passes().front());
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  std::string msg = error_message([&] { m->backward_dw(); });
+  EXPECT_CONTAINS(msg, "LayerNormMLP(8, 12)#");
+  EXPECT_CONTAINS(msg, "no backward pass has queued");
+}
+
+TEST(LayerNormMLP, DelayedEqualsImmediateBitForBitInBf16) {
+  auto options = LayerNormMLPOptions(kHidden, kFfn)
+                     .activation("geglu")
+                     .normalization("RMSNorm")
+                     .params_dtype(torch::kBFloat16)
+                     .device(torch::kCPU);
+  LayerNormMLP immediate(options);
+  LayerNormMLP delayed(LayerNormMLPOptions(options).delay_wgrad_compute(true));
+  randomize(*immediate);
+  {
+    torch::NoGradGuard no_grad;
+    auto src = immediate->parameters();
+    auto dst = delayed->parameters();
+    for (size_t i = 0; i < src.size(); ++i) dst[i].copy_(src[i]);
+  }
+  for (int step = 0; step < 3; ++step) {
+    auto x = torch::randn({4, kHidden}).to(torch::kBFloat16);
+    immediate->forward(x).to(torch::kFloat).pow(2).sum().backward();
+    delayed->forward(x).to(torch::kFloat).pow(2).sum().backward();
+    delayed->backward_dw();
+  }
+  auto a = immediate->named_parameters(), b = delayed->named_parameters();
+  for (const auto& item : a) {
+    SCOPED_TRACE(item.key());
+    EXPECT_TRUE(Bitwise(b[item.key()].grad(), item.value().grad()));
+  }
+}
+
+TEST(LayerNormLinear, TiedWeightAndNormWeightAccumulateEveryContribution) {
+  LayerNormLinear a(LayerNormLinearOptions(kHidden, kOut).delay_wgrad_compute(true));
+  LayerNormLinear b(LayerNormLinearOptions(kHidden, kOut).delay_wgrad_compute(true));
+  randomize(*a);
+  randomize(*b);
+  b->tie_parameter("weight", a->weight);
+  b->tie_parameter("layer_norm_weight", a->layer_norm_weight);
+  EXPECT_TRUE(b->weight.is_same(a->weight));
+  EXPECT_TRUE(b->named_parameters()["weight"].is_same(a->weight));
+  auto lw = ref_param(a->layer_norm_weight), w = ref_param(a->weight);
+  auto lb_a = ref_param(a->layer_norm_bias), lb_b = ref_param(b->layer_norm_bias);
+  auto ba = ref_param(a->bias), bb = ref_param(b->bias);
+  auto x = torch::randn({3, kHidden});
+  (a->forward(x) * b->forward(x.flip(-1))).sum().backward();
+  b->backward_dw();
+  a->backward_dw();
+  auto ref = F::linear(ref_norm(x, "LayerNorm", lw, lb_a, false), w, ba) *
+             F::linear(ref_norm(x.flip(-1), "LayerNorm", lw, lb_b, false), w, bb);
+  ref.sum().backward();
+  // two contributions each: their order cannot change a float32 sum
+  EXPECT_TRUE(Bitwise(a->weight.grad(), w.grad()));
+  EXPECT_TRUE(Bitwise(a->layer_norm_weight.grad(), lw.grad()));
+  EXPECT_TRUE(Bitwise(b->bias.grad(), bb.grad()));
+}
+
+TEST(LayerNormMLP, FusedMainGradAndItsErrors) {
+  LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn)
+                     .delay_wgrad_compute(true)
+                     .fuse_wgrad_accumulation(true)
+                     .name("blocks.0.mlp")
+                     .device(torch::kCPU));
+  randomize(*m);
+  std::string msg = error_message([&] { m->forward(torch::randn({2, kHidden})); });
+  EXPECT_CONTAINS(msg, "blocks.0.mlp");
+  EXPECT_CONTAINS(msg, "fc1_weight's main_grad");
+  splitgrad::set_main_grad(m->fc1_weight, torch::zeros({kFfn, kHidden}));
+  msg = error_message([&] { m->forward(torch::randn({2, kHidden})); });
+  EXPECT_CONTAINS(msg, "fc2_weight's main_grad");
+  splitgrad::set_main_grad(m->fc2_weight, torch::zeros({kHidden, kFfn}));
+  auto w1 = ref_param(m->fc1_weight), w2 = ref_param(m->fc2_weight);
+  auto b1 = ref_param(m->fc1_bias), b2 = ref_param(m->fc2_bias);
+  auto lw = ref_param(m->layer_norm_weight), lb = ref_param(m->layer_norm_bias);
+  auto x = torch::randn({4, kHidden});
+  m->forward(x).pow(2).sum().backward();
+  m->backward_dw();
+  F::linear(ref_activation("gelu", F::linear(ref_norm(x, "LayerNorm", lw, lb, false), w1, b1)), w2,
+            b2)
+      .pow(2)
+      .sum()
+      .backward();
+  EXPECT_FALSE(m->fc1_weight.grad().defined());
+  EXPECT_TRUE(Bitwise(splitgrad::main_grad(m->fc1_weight), w1.grad()));
+  EXPECT_TRUE(Bitwise(splitgrad::main_grad(m->fc2_weight), w2.grad()));
+  EXPECT_TRUE(Bitwise(m->fc2_bias.grad(), b2.grad()));  // no main_grad: its .grad, as in TE
+  EXPECT_TRUE(Bitwise(m->layer_norm_weight.grad(), lw.grad()));
+}
+
+TEST(LayerNormModules, MisuseGetsErrorsNamingTheModule) {
+  LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn).name("mlp").device(torch::kCPU));
+  std::string msg = error_message([&] { m->forward(torch::randn({2, kHidden + 1})); });
+  EXPECT_CONTAINS(msg, "splitgrad layer 'mlp'");
+  EXPECT_CONTAINS(msg, "[*, 8]");
+  msg = error_message([&] { m->forward(torch::randn({2, kHidden}, torch::kDouble)); });
+  EXPECT_CONTAINS(msg, "'mlp': expected input of dtype torch.float32");
+  msg = error_message([&] { m->forward(torch::Tensor()); });
+  EXPECT_CONTAINS(msg, "'mlp': expected an input of shape [*, 8], got an undefined tensor");
+  msg = error_message([&] { LayerNormMLP(LayerNormMLPOptions(8, 8).activation("tanh")); });
+  EXPECT_CONTAINS(msg, "expected activation");
+  msg = error_message(
+      [&] { LayerNormLinear(LayerNormLinearOptions(8, 8).normalization("BatchNorm")); });
+  EXPECT_CONTAINS(msg, "LayerNormLinear: expected normalization \"LayerNorm\" or \"RMSNorm\"");
+  msg = error_message([&] { m->tie_parameter("weight", m->fc1_weight); });
+  EXPECT_CONTAINS(msg, "tie_parameter expected one of layer_norm_weight");
+  msg = error_message([&] { m->tie_parameter("fc1_weight", m->fc2_weight); });
+  EXPECT_CONTAINS(msg,
+                  "'mlp': tie_parameter(\"fc1_weight\") expected a fc1_weight of shape [12, 8]");
+  LayerNormLinear rms(
+      LayerNormLinearOptions(8, 8).normalization("RMSNorm").name("qkv").device(torch::kCPU));
+  msg = error_message([&] { rms->tie_parameter("layer_norm_bias", torch::zeros({8})); });
+  EXPECT_CONTAINS(msg, "'qkv': tie_parameter(\"layer_norm_bias\") on a module built without");
+  // A regular module's backward_dw() does nothing.
+  m->forward(torch::randn({2, kHidden})).sum().backward();
+  m->backward_dw();
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+}
+
+TEST(LayerNormModules, DefaultNamesCopiesAndGuards) {
+  LayerNormLinear a(LayerNormLinearOptions(kHidden, kOut)
+                        .name("qkv")
+                        .delay_wgrad_compute(true)
+                        .device(torch::kCPU));
+  auto copy = std::dynamic_pointer_cast<splitgrad::LayerNormLinearImpl>(a->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_EQ(copy->options.name().rfind("qkv#", 0), 0u) << copy->options.name();
+  a->forward(torch::randn({2, kHidden})).sum().backward();
+  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
+  std::string msg = error_message([&] { a->zero_grad(); });
+  EXPECT_CONTAINS(msg, "zero_grad() of splitgrad layer 'qkv'");
+  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kWarn);
+  EXPECT_EQ(copy->pending_wgrads(), 0);
+  a->backward_dw();
+  EXPECT_FALSE(copy->weight.grad().defined());
+  LayerNormMLP unnamed(LayerNormMLPOptions(kHidden, kFfn).device(torch::kCPU));
+  std::ostringstream printed;
+  printed << *unnamed;
+  EXPECT_CONTAINS(printed.str(), "splitgrad::LayerNormMLP(hidden_size=8, ffn_hidden_size=12");
+}
+
+}  // namespace

@@ -1,0 +1,715 @@
+"""splitgrad.LayerNormLinear and splitgrad.LayerNormMLP against plain PyTorch (F.layer_norm /
+F.rms_norm, F.linear and the activation, with the same parameters): every normalization,
+activation, zero-centred gamma, return_layernorm_output, bias or not, fp32/bf16, delayed and
+immediate wgrad, micro-batches in any W order, tying, fused main_grad, hooks, misuse, and the
+torch.export / torch.compile / torch.func paths. On the CPU the arithmetic is plain autograd's, so
+the comparisons are bit for bit (rtol = atol = 0)."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import splitgrad
+from sg_helpers import (DEVICES, NO_CUDA, assert_grads_match, backward_dw_each, named_gradients, ref_activation,
+                        run_schedule, to_reference)
+
+ACTIVATIONS = ["gelu", "relu", "silu", "geglu", "reglu", "swiglu"]
+NORMS = ["LayerNorm", "RMSNorm"]
+DTYPES = [torch.float32, torch.bfloat16]
+H, FFN, OUT = 8, 12, 6
+
+
+def make(kind: str, **kw):
+    kw.setdefault("device", "cpu")
+    if kind == "linear":
+        return splitgrad.LayerNormLinear(H, OUT, **kw)
+    return splitgrad.LayerNormMLP(H, FFN, **kw)
+
+
+def randomize(module: nn.Module, seed: int = 1) -> None:
+    """Non-trivial norm parameters (the defaults are 1 and 0), so that their gradients matter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+
+def first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def loss_of(out) -> torch.Tensor:
+    """Every output counts (ln_out too, when returned), each with its own weight."""
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum((o.float() * (k + 1) * torch.linspace(-1, 1, o.shape[-1], device=o.device)).sum() for k, o in enumerate(outs))
+
+
+def assert_same(model: nn.Module, reference: nn.Module, case: str = "") -> None:
+    """Every gradient of ``model`` equals ``reference``'s bit for bit."""
+    got, want = named_gradients(model), named_gradients(reference)
+    assert list(got) == list(want)
+    for name in got:
+        assert (got[name] is None) == (want[name] is None), f"{case} {name}"
+        if got[name] is not None:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=lambda m: f"{case} {name}: {m}")
+
+
+def exact_step(model, x, *, delay: bool):
+    """Forward, backward and (for a delayed module) backward_dw; returns the outputs and x.grad."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    loss_of(out).backward()
+    if delay:
+        assert splitgrad.pending_wgrads() == model.pending_wgrads() > 0
+        model.backward_dw()
+    assert splitgrad.pending_wgrads() == 0
+    return out, x.grad
+
+
+# 1. Against plain PyTorch, every option -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("kind,activation", [("linear", None)] + [("mlp", a) for a in ACTIVATIONS])
+def test_matches_plain_pytorch(kind, activation, normalization, dtype):
+    """Each of zero_centered_gamma, return_layernorm_output and bias on and off, delayed and
+    immediate: outputs, the input's and every parameter's gradient bit for bit."""
+    kw = dict(activation=activation) if activation else {}
+    for zero_centered, return_ln, bias, delay in itertools.product([False, True], repeat=4):
+        case = f"zero_centered_gamma={zero_centered} return_layernorm_output={return_ln} bias={bias} delay={delay}"
+        model = make(kind, bias=bias, normalization=normalization, zero_centered_gamma=zero_centered,
+                     return_layernorm_output=return_ln, params_dtype=dtype, delay_wgrad_compute=delay, **kw)
+        randomize(model)
+        reference = to_reference(model)
+        x = torch.randn(2, 3, H).to(dtype)
+        out, dx = exact_step(model, x, delay=delay)
+        ref_out, ref_dx = exact_step(reference, x, delay=False)
+        assert isinstance(out, tuple) == return_ln, case
+        for got, want in zip(out if return_ln else (out,), ref_out if return_ln else (ref_out,)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{case}: {m}")
+        torch.testing.assert_close(dx, ref_dx, rtol=0, atol=0, msg=lambda m: f"{case}, input grad: {m}")
+        assert_same(model, reference, case)
+
+
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_mlp_matches_torch_nn_modules(normalization, activation):
+    """The same block from torch.nn modules (nn.LayerNorm / nn.RMSNorm, nn.Linear, the activation)."""
+    model = make("mlp", normalization=normalization, activation=activation, delay_wgrad_compute=True)
+    randomize(model)
+    norm = (nn.LayerNorm(H) if normalization == "LayerNorm" else nn.RMSNorm(H, eps=1e-5))
+    fc1 = nn.Linear(H, model.fc1_weight.shape[0])
+    fc2 = nn.Linear(FFN, H)
+    with torch.no_grad():
+        norm.weight.copy_(model.layer_norm_weight)
+        if normalization == "LayerNorm":
+            norm.bias.copy_(model.layer_norm_bias)
+        for lin, w, b in ((fc1, model.fc1_weight, model.fc1_bias), (fc2, model.fc2_weight, model.fc2_bias)):
+            lin.weight.copy_(w)
+            lin.bias.copy_(b)
+    x = torch.randn(4, H)
+    out, dx = exact_step(model, x, delay=True)
+    xr = x.clone().requires_grad_(True)
+    ref = fc2(ref_activation(activation, fc1(norm(xr))))
+    loss_of(ref).backward()
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(dx, xr.grad, rtol=0, atol=0)
+    pairs = [(model.layer_norm_weight, norm.weight), (model.fc1_weight, fc1.weight), (model.fc1_bias, fc1.bias),
+             (model.fc2_weight, fc2.weight), (model.fc2_bias, fc2.bias)]
+    if normalization == "LayerNorm":
+        pairs.append((model.layer_norm_bias, norm.bias))
+    for got, want in pairs:
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+
+
+def test_gated_activation_gates_the_first_half_and_gelu_is_tanh():
+    """TE's conventions: swiglu(a, b) = silu(a) * b for fc1's output [a | b]; "gelu" is tanh-GELU."""
+    model = make("mlp", activation="swiglu", bias=False)
+    nn.init.eye_(model.fc2_weight)  # fc2 = identity on the first H of FFN features
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        h = nn.functional.linear(nn.functional.layer_norm(x, (H,)), model.fc1_weight)
+        a, b = h[:, :FFN], h[:, FFN:]
+        torch.testing.assert_close(model(x), (nn.functional.silu(a) * b)[:, :H], rtol=0, atol=0)
+    gelu = make("mlp", activation="gelu", bias=False)
+    nn.init.eye_(gelu.fc2_weight)
+    with torch.no_grad():
+        h = nn.functional.linear(nn.functional.layer_norm(x, (H,)), gelu.fc1_weight)
+        torch.testing.assert_close(gelu(x), nn.functional.gelu(h, approximate="tanh")[:, :H], rtol=0, atol=0)
+        assert not torch.equal(gelu(x), nn.functional.gelu(h)[:, :H])
+
+
+# 2. Parameters, keywords, return values ---------------------------------------------------------
+
+def test_te_parameter_names_shapes_and_initialisation():
+    ln = make("linear")
+    assert [n for n, _ in ln.named_parameters()] == ["layer_norm_weight", "layer_norm_bias", "weight", "bias"]
+    assert make("linear", normalization="RMSNorm", bias=False).layer_norm_bias is None
+    assert [n for n, _ in make("linear", normalization="RMSNorm", bias=False).named_parameters()] == [
+        "layer_norm_weight", "weight"]
+    mlp = make("mlp", activation="swiglu")
+    assert [n for n, _ in mlp.named_parameters()] == [
+        "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    assert mlp.fc1_weight.shape == (2 * FFN, H) and mlp.fc1_bias.shape == (2 * FFN,)
+    assert mlp.fc2_weight.shape == (H, FFN) and mlp.fc2_bias.shape == (H,)
+    assert make("mlp").fc1_weight.shape == (FFN, H)
+    assert torch.equal(ln.layer_norm_weight, torch.ones(H)) and torch.equal(ln.layer_norm_bias, torch.zeros(H))
+    assert torch.equal(make("mlp", zero_centered_gamma=True).layer_norm_weight, torch.zeros(H))
+    assert make("linear", params_dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    seen = []
+    make("mlp", init_method=lambda w: seen.append(("fc1", tuple(w.shape))),
+         output_layer_init_method=lambda w: seen.append(("fc2", tuple(w.shape))))
+    assert seen == [("fc1", (FFN, H)), ("fc2", (H, FFN))]
+
+
+def test_te_keywords_at_their_defaults_are_accepted_others_refused():
+    make("linear", sequence_parallel=False, tp_size=1, parallel_mode=None, ub_overlap_rs_dgrad=False,
+         return_layernorm_output_gathered=False, parameters_split=None, symmetric_ar_type=None)
+    make("mlp", sequence_parallel=False, tp_group=None, set_parallel_mode=False, seq_length=None,
+         micro_batch_size=None, activation_params=None, checkpoint=False, ub_bulk_wgrad=False)
+    with pytest.raises(TypeError, match=r"splitgrad.LayerNormLinear .*\['sequence_parallel'\]"):
+        make("linear", sequence_parallel=True)
+    with pytest.raises(TypeError, match=r"splitgrad.LayerNormMLP .*\['checkpoint'\]"):
+        make("mlp", checkpoint=True)
+    with pytest.raises(TypeError, match="parameters_split"):
+        make("mlp", parameters_split=None)  # not a te.LayerNormMLP keyword
+
+
+def test_return_bias_as_te():
+    model = make("mlp", return_bias=True, return_layernorm_output=True, delay_wgrad_compute=True)
+    randomize(model)
+    reference = to_reference(model)
+    x = torch.randn(3, H)
+    out, bias, ln_out = model(x)
+    assert bias is model.fc2_bias
+    ref_out, ref_bias, ref_ln = reference(x)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    (out + bias).sum().backward()
+    (ref_out + ref_bias).sum().backward()
+    model.backward_dw()
+    assert_same(model, reference)
+    out, bias = make("linear", return_bias=True)(x)
+    assert out.shape == (3, OUT) and bias.shape == (OUT,)
+
+
+# 3. Delayed vs immediate, micro-batches, W order -----------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_delayed_equals_immediate_bit_for_bit(kind, dtype, device):
+    """TE's test_numerics check: the same steps with delay_wgrad_compute on and off give identical
+    gradients, over several micro-batches (the delayed work run after each backward, as TE's test).
+    On CUDA both paths run the same cuBLASLt GEMMs."""
+    kw = dict(activation="swiglu", device=device) if kind == "mlp" else dict(device=device)
+    immediate = make(kind, params_dtype=dtype, **kw)
+    randomize(immediate)
+    delayed = make(kind, params_dtype=dtype, delay_wgrad_compute=True, **kw)
+    delayed.load_state_dict(immediate.state_dict())
+    for _ in range(3):
+        x = torch.randn(4, 5, H).to(dtype=dtype, device=device)
+        a, _ = exact_step(immediate, x, delay=False)
+        b, _ = exact_step(delayed, x, delay=True)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert_same(delayed, immediate)
+
+
+SCHEDULES = ["F0 F1 B0 B1 W0 W1", "F0 B0 F1 W0 B1 W1", "F0 F1 B1 B0 W0 W1", "F0 F1 B0 B1 Wall"]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_micro_batches_in_any_order(kind, schedule):
+    model = make(kind, delay_wgrad_compute=True)
+    randomize(model)
+    reference = to_reference(model)
+    xs = [torch.randn(3, H) for _ in range(2)]
+    gys = [torch.randn(3, OUT if kind == "linear" else H) for _ in range(2)]
+    per_pass = 1 if kind == "linear" else 2
+
+    def w_step(token):
+        if token == "Wall":
+            splitgrad.backward_dw_all()
+        else:
+            before = model.pending_wgrads()
+            model.backward_dw()
+            assert model.pending_wgrads() == before - per_pass  # one pass: every GEMM of it
+
+    run_schedule(schedule, model, xs, gys, w_step=w_step,
+                 forward=lambda m, x, i: m(x, is_first_microbatch=(i == 0)))
+    run_schedule(schedule, reference, xs, gys)
+    assert splitgrad.pending_wgrads() == 0
+    assert_same(model, reference)  # two terms per gradient: their order cannot matter
+
+
+def test_backward_dw_runs_fc2_then_fc1_and_counts_the_module_items():
+    model = make("mlp", delay_wgrad_compute=True)
+    order = []
+    for name in ("fc1_weight", "fc2_weight"):
+        splitgrad.register_grad_ready_hook(getattr(model, name), lambda p, name=name: order.append(name))
+    model(torch.randn(2, H)).sum().backward()
+    model(torch.randn(2, H)).sum().backward()
+    assert model.pending_wgrads() == 4 and splitgrad.pending_wgrads() == 4
+    assert order == []
+    model.backward_dw()
+    assert order == ["fc2_weight", "fc1_weight"] and model.pending_wgrads() == 2
+    model.backward_dw()
+    assert model.pending_wgrads() == 0
+    with pytest.raises(RuntimeError, match=r"LayerNormMLP\(8, 12\)#\d+.*no backward pass has queued"):
+        model.backward_dw()
+
+
+def test_regular_module_backward_dw_does_nothing():
+    model = make("mlp")
+    model(torch.randn(2, H)).sum().backward()
+    assert splitgrad.pending_wgrads() == 0
+    model.backward_dw()
+
+
+# 4. Tying ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("delays", [(True, True), (True, False), (False, True)])
+def test_two_layernorm_linears_sharing_weight_and_norm(delays):
+    """QKV-style: two LayerNormLinears share their weight, a third shares the norm weight; a plain
+    Linear shares the second's bias. Every contribution accumulates (TE keeps only the last)."""
+    a = make("linear", delay_wgrad_compute=delays[0])
+    b = make("linear", delay_wgrad_compute=delays[1])
+    c = make("linear", normalization="RMSNorm", delay_wgrad_compute=True)
+    d = splitgrad.Linear(H, OUT, device="cpu", delay_wgrad_compute=True)
+    for m in (a, b, c, d):
+        randomize(m, seed=len(list(m.parameters())))
+    b.weight = a.weight
+    c.layer_norm_weight = a.layer_norm_weight
+    d.bias = b.bias
+    model = nn.ModuleList([a, b, c, d])
+    reference = to_reference(model)
+
+    def forward(m, x, i):
+        h = m[0](x) + m[1](x.flip(-1))
+        return h + m[2](x * 2) + m[3](x)
+
+    xs = [torch.randn(4, H) for _ in range(2)]
+    gys = [torch.randn(4, OUT) for _ in range(2)]
+    run_schedule("F0 F1 B0 B1 W0 W1", model, xs, gys, w_step=lambda t: backward_dw_each(model), forward=forward)
+    run_schedule("F0 F1 B0 B1", reference, xs, gys, forward=forward)
+    assert splitgrad.pending_wgrads() == 0
+    got, want = named_gradients(model), named_gradients(reference)
+    for name in got:
+        # up to 4 terms: equal up to the order of the sums
+        torch.testing.assert_close(got[name], want[name], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_mlp_weight_tied_and_applied_twice():
+    """Reuse: one LayerNormMLP applied twice in one forward, its fc2 weight also used by F.linear."""
+    model = make("mlp", delay_wgrad_compute=True)
+    randomize(model)
+    reference = to_reference(model)
+
+    def step(m, deferred):
+        generator = torch.Generator().manual_seed(5)
+        x, z = torch.randn(3, H, generator=generator), torch.randn(3, FFN, generator=generator)
+        y = m(m(x)) + nn.functional.linear(z, m.fc2_weight)
+        y.sum().backward()
+        if deferred:
+            assert m.pending_wgrads() == 4
+            m.backward_dw()
+
+    step(model, True)
+    step(reference, False)
+    assert splitgrad.pending_wgrads() == 0
+    got, want = named_gradients(model), named_gradients(reference)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1.3e-6, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+# 5. Fused main_grad ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
+def test_fused_main_grad(delay, dtype):
+    model = make("mlp", activation="geglu", params_dtype=dtype, delay_wgrad_compute=delay,
+                 fuse_wgrad_accumulation=True)
+    randomize(model)
+    reference = to_reference(model, torch.float32)
+    for name in ("fc1_weight", "fc2_weight", "fc2_bias"):  # fc1_bias has none: its gradient goes to .grad
+        param = getattr(model, name)
+        param.main_grad = torch.randn(param.shape)
+        param.grad_added_to_main_grad = False
+        getattr(reference, name).grad = param.main_grad.clone()
+    x = torch.randn(2, 3, H)
+    exact_step(model, x.to(dtype), delay=delay)
+    exact_step(reference, x.to(dtype).float(), delay=False)
+    for name in ("fc1_weight", "fc2_weight", "fc2_bias"):
+        param = getattr(model, name)
+        assert param.grad is None and param.grad_added_to_main_grad
+        want = getattr(reference, name).grad
+        if dtype == torch.float32:  # fp32 products added to an fp32 buffer, as autograd adds them
+            torch.testing.assert_close(param.main_grad, want, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(param.main_grad, want, rtol=2e-2, atol=2e-2)
+    # the norm's gradients and a bias without main_grad land in .grad, as in TE
+    for name in ("layer_norm_weight", "layer_norm_bias", "fc1_bias"):
+        assert getattr(model, name).grad is not None and getattr(model, name).grad.dtype == dtype
+
+
+def test_fused_without_main_grad_names_module_and_parameter():
+    model = make("mlp", fuse_wgrad_accumulation=True, name="blocks.0.mlp")
+    with pytest.raises(splitgrad.MainGradError, match=r"'blocks.0.mlp'.*fc1_weight.main_grad"):
+        model(torch.randn(2, H))
+    model.fc1_weight.main_grad = torch.zeros(FFN, H)
+    with pytest.raises(splitgrad.MainGradError, match=r"'blocks.0.mlp'.*fc2_weight.main_grad"):
+        model(torch.randn(2, H))
+
+
+# 6. Hooks ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
+def test_reduce_hooks_fire_once_per_pass_after_the_last_contribution(delay):
+    a = make("mlp", delay_wgrad_compute=delay)
+    b = make("mlp", delay_wgrad_compute=True)
+    b.fc1_weight = a.fc1_weight  # tied: ready only after both contributions
+    b.layer_norm_weight = a.layer_norm_weight
+    calls = []
+    finals = {}
+
+    def hook(param):
+        calls.append(param)
+        finals[id(param)] = param.grad.clone()
+
+    a.register_wgrad_accumulation_and_reduce_hooks(hook)
+    b.register_wgrad_accumulation_and_reduce_hooks(hook)
+    for _ in range(2):
+        calls.clear()
+        x = torch.randn(3, H)
+        (a(x) + b(x)).sum().backward()
+        # the norms' gradients are immediate: ready at the end of the backward
+        assert any(p is a.layer_norm_bias for p in calls)
+        assert not any(p is a.fc1_weight for p in calls)
+        b.backward_dw()
+        assert not any(p is a.fc1_weight for p in calls) or not delay
+        a.backward_dw()
+        params = {id(p): p for m in (a, b) for p in m.parameters()}
+        counted = {k: sum(1 for c in calls if id(c) == k) for k in params}
+        # once per registration: a shared parameter has one from each module holding it
+        registered = {k: sum(1 for m in (a, b) for p in m.parameters() if id(p) == k) for k in params}
+        assert counted == registered
+        for k, p in params.items():
+            torch.testing.assert_close(finals[k], p.grad, rtol=0, atol=0)  # nothing landed after it
+
+
+# 7. Misuse ---------------------------------------------------------------------------------------
+
+def test_wrong_input_names_the_module():
+    model = make("mlp", name="mlp")
+    with pytest.raises(splitgrad.ArgumentError, match=r"splitgrad layer 'mlp': expected input of shape \[\*, 8\]"):
+        model(torch.randn(2, H + 1))
+    with pytest.raises(splitgrad.DTypeError, match=r"'mlp': expected input of dtype torch.float32"):
+        model(torch.randn(2, H, dtype=torch.float64))
+    with pytest.raises(TypeError, match="'mlp': expected a torch.Tensor input"):
+        model([1.0] * H)
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        model(torch.randn(2, H), is_first_microbatch=1)
+    ln = make("linear", name="qkv")
+    with pytest.raises(ValueError, match=r"'qkv': expected input of shape \[\*, 8\]"):
+        ln(torch.randn(2, 3))
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(splitgrad.ArgumentError, match="normalization 'LayerNorm' or 'RMSNorm', got 'BatchNorm'"):
+        make("linear", normalization="BatchNorm")
+    with pytest.raises(splitgrad.ArgumentError, match=r"activation in .*got 'tanh'"):
+        make("mlp", activation="tanh")
+    with pytest.raises(splitgrad.ArgumentError, match="positive int ffn_hidden_size, got 0"):
+        splitgrad.LayerNormMLP(8, 0, device="cpu")
+    with pytest.raises(splitgrad.DTypeError, match="LayerNormLinear: expected a floating-point params_dtype"):
+        make("linear", params_dtype=torch.int64)
+
+
+def test_stashed_norm_output_modified_in_place_is_an_error_and_loses_nothing_else():
+    model = make("linear", return_layernorm_output=True, delay_wgrad_compute=True, name="qkv")
+    out, ln_out = model(torch.randn(3, H))
+    out.sum().backward()
+    ln_out.add_(1.0)  # fc's stashed input
+    with pytest.raises(RuntimeError, match="'qkv': the input stashed for its deferred weight gradient was modified"):
+        model.backward_dw()
+    assert model.weight.grad is None and splitgrad.pending_wgrads() == 0
+
+
+def test_pending_work_guards_name_the_module():
+    model = make("mlp", delay_wgrad_compute=True, name="blocks.1.mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(2, H)).sum().backward()
+    with pytest.warns(splitgrad.PendingWgradWarning, match="'blocks.1.mlp'"):
+        optimizer.step()
+    with pytest.warns(splitgrad.PendingWgradWarning, match="state_dict.*'blocks.1.mlp'"):
+        model.state_dict()
+    splitgrad.set_pending_work_policy("error")
+    with pytest.raises(splitgrad.PendingWgradError, match="'blocks.1.mlp'"):
+        model.zero_grad()
+    model.backward_dw()
+    optimizer.step()
+
+
+def test_deleted_with_work_pending_warns_with_its_name():
+    model = make("mlp", delay_wgrad_compute=True, name="doomed")
+    model(torch.randn(2, H)).sum().backward()
+    with pytest.warns(splitgrad.PendingWgradWarning, match="'doomed' was deleted with 2 deferred"):
+        del model
+        import gc
+        gc.collect()
+    assert splitgrad.pending_wgrads() == 0
+
+
+# 8. Names, copies, export, compile, torch.func -----------------------------------------------
+
+def test_names_and_copies():
+    model = nn.Sequential(make("linear"), make("mlp"))
+    assert model[0].name.startswith("LayerNormLinear(8, 6)#") and model[1].name.startswith("LayerNormMLP(8, 12)#")
+    clone = copy.deepcopy(model[1])
+    assert clone.name != model[1].name and clone.name.startswith("LayerNormMLP(8, 12)#")
+    splitgrad.name_layers(model)
+    assert [m.name for m in model] == ["0", "1"]
+
+
+def test_torch_export_records_regular_calls_and_matches():
+    model = make("mlp", activation="swiglu", delay_wgrad_compute=True)
+    x = torch.randn(3, H)
+    program = torch.export.export(model, (x,))
+    calls = [n for n in program.graph.nodes if n.target is torch.ops.splitgrad.linear.default]
+    assert len(calls) == 2 and all(n.args[5] == 0 and n.args[6] is False for n in calls)  # regular, no layer
+    torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
+    assert splitgrad.pending_wgrads() == 0
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
+def test_torch_compile_matches_eager(delay):
+    model = make("mlp", delay_wgrad_compute=delay)
+    randomize(model)
+    reference = to_reference(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(3, H)
+    loss_of(compiled(x)).backward()
+    model.backward_dw()
+    loss_of(reference(x)).backward()
+    assert splitgrad.pending_wgrads() == 0
+    got, want = named_gradients(model), named_gradients(reference)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1.3e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_torch_func_grad_matches_and_queues_nothing():
+    from torch.func import functional_call, grad
+
+    model = make("mlp", activation="reglu", delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    randomize(model)
+    reference = to_reference(model)
+    params = dict(model.named_parameters())
+    x = torch.randn(3, H)
+    got = grad(lambda p: functional_call(model, p, (x,)).sum())(params)
+    want = grad(lambda p: functional_call(reference, p, (x,)).sum())(dict(reference.named_parameters()))
+    assert splitgrad.pending_wgrads() == 0
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"LayerNormMLP\(8, 12\)#\d+': expected input of shape"):
+        grad(lambda x: model(x).sum())(torch.randn(2, H + 1))
+
+
+def test_import_splitgrad_as_te():
+    import splitgrad as te
+
+    qkv = te.LayerNormLinear(16, 48, eps=1e-5, bias=True, normalization="RMSNorm", params_dtype=torch.bfloat16,
+                             device="cpu", delay_wgrad_compute=True, sequence_parallel=False, tp_size=1)
+    mlp = te.LayerNormMLP(16, 64, activation="swiglu", normalization="RMSNorm", params_dtype=torch.bfloat16,
+                          device="cpu", delay_wgrad_compute=True, seq_length=None, micro_batch_size=None)
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    (mlp(x).float().sum() + qkv(x).float().sum()).backward()
+    mlp.backward_dw()
+    qkv.backward_dw()
+    assert all(p.grad is not None for m in (qkv, mlp) for p in m.parameters())
+    assert splitgrad.pending_wgrads() == 0
+
+
+# 9. What the backward keeps ----------------------------------------------------------------------
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves for the backward in a forward of ``model``,
+    parameters excluded (they exist anyway)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    loss_of(out).backward()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_backward_keeps_no_more_than_plain_pytorch(activation, normalization):
+    """The norm's output is saved once (fc1's input), fc1's output once (the activation's input):
+    the same storages plain PyTorch saves for the same block."""
+    model = make("mlp", activation=activation, normalization=normalization, delay_wgrad_compute=True)
+    reference = to_reference(model)
+    x = torch.randn(16, H, requires_grad=True)
+    got = saved_activation_bytes(model, x)
+    model.backward_dw()
+    want = saved_activation_bytes(reference, x)
+    assert 0 < got <= want, (got, want)
+
+
+def test_jit_trace_records_regular_calls_and_script_is_refused():
+    model = make("linear", delay_wgrad_compute=True, name="qkv")
+    x = torch.randn(3, H)
+    traced = torch.jit.trace(model, (x,), check_trace=False)
+    traced(x).sum().backward()
+    assert splitgrad.pending_wgrads() == 0 and model.weight.grad is not None  # regular, unregistered
+    with pytest.raises(TypeError, match="'qkv' cannot be compiled by torch.jit.script"):
+        torch.jit.script(model)
+
+
+@pytest.mark.parametrize("normalization", NORMS)
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_autocast_matches_plain_pytorch(kind, normalization):
+    """Under CPU autocast (bf16) the norm runs as autocast runs F.layer_norm / F.rms_norm and the
+    GEMMs in bf16, as nn.Linear's: outputs and gradients bit for bit."""
+    model = make(kind, normalization=normalization, delay_wgrad_compute=True)
+    randomize(model)
+    reference = to_reference(model)
+    x = torch.randn(4, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref_out = model(x), reference(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    loss_of(out).backward()
+    loss_of(ref_out).backward()
+    model.backward_dw()
+    assert_same(model, reference)
+
+
+# 10. Reducers and FSDP2 (one gloo rank: the hooks, launches and deferred reductions) -------------
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available in this PyTorch build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def block():
+    return nn.Sequential(
+        splitgrad.LayerNormLinear(H, H, normalization="RMSNorm", device="cpu", delay_wgrad_compute=True),
+        make("mlp", activation="swiglu", delay_wgrad_compute=True))
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_grad_reducer_reduces_after_the_last_deferred_contribution(one_rank, mode):
+    model = block()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, mode=mode, bucket_cap_mb=1e-6)  # a bucket each
+    for _ in range(2):
+        x = torch.randn(3, H)
+        loss_of(model(x)).backward()
+        launched = len(reducer.launch_log)
+        model[1].backward_dw()
+        assert len(reducer.launch_log) > launched  # fc2's and fc1's buckets start in backward_dw()
+        model[0].backward_dw()
+        reducer.finish()
+        loss_of(reference(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        if mode == "reduce_scatter":  # one rank: its shard is the whole gradient
+            torch.testing.assert_close(reducer.sharded_grad(p), q.grad.flatten(), rtol=0, atol=0)
+
+
+def test_fully_shard_reduces_in_backward_dw(one_rank):
+    import splitgrad.distributed as sgd
+
+    model = nn.Sequential(block(), block())
+    reference = to_reference(model)
+    for unit in model:
+        sgd.fully_shard(unit)
+    sgd.fully_shard(model)
+    sgd.fsdp_reduction_log.clear()
+    x = torch.randn(3, H)
+    loss_of(model(x)).backward()
+    for unit in reversed(model):
+        unit[1].backward_dw()
+        unit[0].backward_dw()
+    sgd.finish_fsdp_reductions()
+    assert [when for _, when in sgd.fsdp_reduction_log].count("backward_dw") == 2  # each block's unit
+    loss_of(reference(x)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_zero_bubble_pipeline_stage_runs_their_w_steps(one_rank):
+    """ZB-V on one rank (both stages of the V here): the split backward's W steps run the modules'
+    deferred work, and the gradients equal plain autograd's over the same micro-batches."""
+    import splitgrad.pipelining as sgp
+    from torch.distributed import pipelining
+
+    micro = 4
+    pieces = [block(), block()]
+    reference = to_reference(nn.Sequential(*copy.deepcopy(pieces)))
+    stages = [sgp.PipelineStage(pieces[s], s, 2, "cpu") for s in range(2)]
+    assert [len(stage.delayed_layers) for stage in stages] == [2, 2]
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    schedule = pipelining.ScheduleZBVZeroBubble(stages, n_microbatches=micro, loss_fn=loss_fn)
+    x, target = torch.randn(2 * micro, H), torch.randn(2 * micro, H)
+    schedule.step(x, target=target)
+    assert splitgrad.pending_wgrads() == 0
+    for xs, ts in zip(x.chunk(micro), target.chunk(micro)):
+        (loss_fn(reference(xs), ts) / micro).backward()
+    for (name, p), q in zip(nn.Sequential(*pieces).named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+# 11. CUDA: the cuBLASLt back end against plain PyTorch ------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind,activation,normalization",
+                         [("linear", None, "LayerNorm"), ("linear", None, "RMSNorm"), ("mlp", "gelu", "LayerNorm"),
+                          ("mlp", "swiglu", "RMSNorm"), ("mlp", "reglu", "LayerNorm")])
+def test_cuda_matches_plain_pytorch(kind, activation, normalization, dtype, fused):
+    """Delayed modules on CUDA over two micro-batches against plain PyTorch: float32 to its
+    tolerance, 16-bit within 2x PyTorch's own error against a float64 reference."""
+    kw = dict(activation=activation) if activation else {}
+    model = make(kind, device="cuda", normalization=normalization, params_dtype=dtype, delay_wgrad_compute=True,
+                 fuse_wgrad_accumulation=fused, **kw)
+    randomize(model)
+    if fused:
+        for name in ("weight", "fc1_weight", "fc2_weight"):
+            if hasattr(model, name):
+                getattr(model, name).main_grad = torch.zeros_like(getattr(model, name), dtype=torch.float32)
+    reference = to_reference(model)
+    high = to_reference(model, torch.float64)
+    xs = [torch.randn(4, 5, H, device="cuda") for _ in range(2)]  # float32 values: exact in float64 too
+    for m in (model, reference, high):
+        for x in xs:
+            loss_of(m(x.to(m.layer_norm_weight.dtype))).backward()
+    model.backward_dw()
+    model.backward_dw()
+    assert splitgrad.pending_wgrads() == 0
+    if fused:
+        assert (model.fc1_weight if kind == "mlp" else model.weight).grad is None
+    assert_grads_match(model, reference, exact=False, high_precision=high)
