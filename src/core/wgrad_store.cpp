@@ -12,6 +12,10 @@ std::vector<at::Tensor> DeferredWgrad::targets() const {
   std::vector<at::Tensor> out;
   if (weight.defined()) out.push_back(weight);
   if (bias.defined()) out.push_back(bias);
+  for (const auto& group : groups) {
+    if (group.weight.defined()) out.push_back(group.weight);
+    if (group.bias.defined()) out.push_back(group.bias);
+  }
   return out;
 }
 

@@ -89,7 +89,9 @@ MainGradCallback& main_grad_callback() {
 // backward_dw and another's fused backward) may feed the same parameter. Striped by address.
 class GradWriteLocks {
  public:
-  explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params) {
+  explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params)
+      : GradWriteLocks(std::vector<const at::Tensor*>(params)) {}
+  explicit GradWriteLocks(const std::vector<const at::Tensor*>& params) {
     std::vector<size_t> stripes;
     for (const at::Tensor* p : params) {
       if (p->defined()) {
@@ -201,6 +203,76 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
     notify_main_grad_accumulated(sinks.bias);
 }
 
+void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
+                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks) {
+  // accumulate_wgrad's rules, per group; the products of all groups come from at most two grouped
+  // ops (one making fresh gradients for .grad, one adding in place), so a grouped kernel serves
+  // them all at once.
+  c10::InferenceMode not_inference(false);
+  at::NoGradGuard no_grad;
+  const size_t groups = sinks.size();
+  {
+    std::vector<const at::Tensor*> params;
+    for (const auto& sink : sinks) {
+      params.push_back(&sink.weight);
+      params.push_back(&sink.bias);
+    }
+    GradWriteLocks locks(params);
+    std::vector<char> weight_to_grad(groups), bias_in_place(groups), bias_value(groups);
+    bool any_weight_to_grad = false, any_bias_value = false;
+    c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
+    for (size_t i = 0; i < groups; ++i) {
+      const WgradSinks& sink = sinks[i];
+      weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
+      const at::Tensor bias_grad = sink.bias.defined() ? sink.bias.grad() : at::Tensor();
+      bias_in_place[i] =
+          sink.bias.defined() && (sink.bias_main_grad.defined() ||
+                                  (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+                                   bias_grad.scalar_type() == grad_output.scalar_type()));
+      bias_value[i] = sink.bias.defined() && !bias_in_place[i];
+      any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
+      any_bias_value |= static_cast<bool>(bias_value[i]);
+      weight_targets.push_back(sink.weight.defined() && !weight_to_grad[i]
+                                   ? std::optional<at::Tensor>(sink.weight_main_grad)
+                                   : std::nullopt);
+      bias_targets.push_back(!bias_in_place[i]               ? std::nullopt
+                             : sink.bias_main_grad.defined() ? std::optional(sink.bias_main_grad)
+                                                             : std::optional(bias_grad));
+    }
+    std::vector<at::Tensor> fresh_weight, fresh_bias;
+    if (any_weight_to_grad) {
+      std::tie(fresh_weight, fresh_bias) =
+          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
+    } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
+      for (size_t i = 0; i < groups; ++i) {
+        fresh_bias.push_back(bias_value[i]
+                                 ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
+                                 : at::Tensor());
+        if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+      }
+    }
+    const bool any_in_place =
+        std::any_of(weight_targets.begin(), weight_targets.end(),
+                    [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
+        std::any_of(bias_targets.begin(), bias_targets.end(),
+                    [](const std::optional<at::Tensor>& t) { return t.has_value(); });
+    if (any_in_place) {
+      ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
+                                            bias_targets);
+    }
+    for (size_t i = 0; i < groups; ++i) {
+      if (weight_to_grad[i]) add_to_grad(sinks[i].weight, fresh_weight[i]);
+      if (bias_value[i]) add_to_grad(sinks[i].bias, fresh_bias[i]);
+    }
+  }
+  for (const auto& sink : sinks) {
+    if (sink.weight.defined() && sink.weight_main_grad.defined())
+      notify_main_grad_accumulated(sink.weight);
+    if (sink.bias.defined() && sink.bias_main_grad.defined())
+      notify_main_grad_accumulated(sink.bias);
+  }
+}
+
 }  // namespace detail
 
 namespace {
@@ -219,6 +291,9 @@ std::string stale_reason(const DeferredWgrad& item) {
   };
   std::string reason = check(item.input, item.input_version, "input");
   if (reason.empty()) reason = check(item.grad_output, item.grad_output_version, "grad_output");
+  if (reason.empty() && item.m_splits.defined()) {
+    reason = check(item.m_splits, item.m_splits_version, "m_splits");
+  }
   return reason;
 }
 
@@ -307,7 +382,7 @@ void keep_until_read(const DeferredWgrad& item) {
   if (item.stream.device().is_cpu()) return;
   const c10::Stream now = detail::current_stream_of(item.input);
   if (now == item.stream) return;
-  for (const at::Tensor* t : {&item.input, &item.grad_output}) {
+  for (const at::Tensor* t : {&item.input, &item.grad_output, &item.m_splits}) {
     if (t->defined() && t->device() == now.device()) t->record_stream(now);
   }
 }
@@ -341,9 +416,17 @@ void run(std::vector<DeferredWgrad> items) {
   for (size_t i = 0; i < runnable.size(); ++i) {
     DeferredWgrad& item = runnable[i];
     try {
-      detail::accumulate_wgrad(
-          item.grad_output, item.input,
-          {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
+      if (item.groups.empty()) {
+        detail::accumulate_wgrad(
+            item.grad_output, item.input,
+            {item.weight, item.bias, item.weight_main_grad, item.bias_main_grad});
+      } else {
+        std::vector<detail::WgradSinks> sinks;
+        for (const auto& group : item.groups) {
+          sinks.push_back({group.weight, group.bias, group.weight_main_grad, group.bias_main_grad});
+        }
+        detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks);
+      }
     } catch (...) {
       keep_until_read(item);  // some of its kernels may have been enqueued
       drop(item);
