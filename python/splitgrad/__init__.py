@@ -16,6 +16,7 @@ from ._deferred import (
     set_pending_work_policy,
 )
 from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
+from ._grouped_linear import GroupedLinear
 from ._linear import Linear, name_layers
 from . import distributed  # splitgrad.distributed.GradReducer
 
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Linear",
+    "GroupedLinear",
     "backward_dw_all",
     "pending_wgrads",
     "layers_with_pending_wgrads",
