@@ -588,3 +588,17 @@ def test_property_matches_per_expert_autograd(scenario):
         _assert_same_grads(model, reference, device="cpu", dtype=torch.float32)
     else:  # three or more terms per gradient (or main_grad's start): association may differ
         assert_grads_match(model, reference, exact=False)
+
+
+def test_named_and_found_by_the_pipeline_stage_and_fsdp():
+    """name_layers names it after its path; the pipeline stage's W steps and splitgrad's
+    fully_shard find it among the delayed layers, as they find Linear."""
+    from splitgrad import _fsdp, pipelining
+
+    model = nn.Sequential(nn.Tanh(), nn.ModuleDict({"experts": _layer(delay_wgrad_compute=True)}))
+    splitgrad.name_layers(model)
+    assert model[1]["experts"].name == "1.experts"
+    assert pipelining._delayed_layers(model) == [model[1]["experts"]]
+    fused = _layer(fuse_wgrad_accumulation=True, name="fused")
+    with pytest.raises(ValueError, match="layer 'fused' has fuse_wgrad_accumulation=True"):
+        _fsdp.fully_shard(fused)
