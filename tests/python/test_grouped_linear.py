@@ -602,3 +602,21 @@ def test_named_and_found_by_the_pipeline_stage_and_fsdp():
     fused = _layer(fuse_wgrad_accumulation=True, name="fused")
     with pytest.raises(ValueError, match="layer 'fused' has fuse_wgrad_accumulation=True"):
         _fsdp.fully_shard(fused)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["delayed", "delayed-fused"])
+def test_compile_runs_delayed_layers_eagerly(fused):
+    """Under torch.compile a delayed (or fused) layer runs eagerly, so its work is queued with real
+    tensors and lands where it should."""
+    layer = _layer(n=3, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    if fused:
+        for w in layer.weights:
+            w.main_grad = torch.zeros(w.shape)
+    reference = to_reference(layer)
+    compiled = torch.compile(layer, backend="aot_eager")
+    x, gy = _data([2, 0, 3])
+    compiled(x, [2, 0, 3]).backward(gy)
+    reference(x, [2, 0, 3]).backward(gy)
+    assert layer.pending_wgrads() == 1
+    layer.backward_dw()
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
