@@ -62,9 +62,9 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   /// \param m_splits the rows per expert: an int64 tensor of num_gemms non-negative entries
   ///        summing to the tokens, on the CPU or on the input's device (not synchronised on by the
   ///        ops; the CUDA back end's per-expert loop reads it to the host for now)
+  ///        Host splits: `torch::tensor(std::vector<int64_t>{...})`. (One overload only, so that
+  ///        the ModuleHolder's `experts(x, m_splits)` resolves.)
   torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& m_splits);
-  /// The same, with the splits as host integers.
-  torch::Tensor forward(const torch::Tensor& input, const std::vector<int64_t>& m_splits);
 
   /// As Linear's: this layer's deferred wgrad (all experts) for the oldest pending backward pass;
   /// nothing for a layer built with delay_wgrad_compute=false; throws if a delayed layer has

@@ -66,11 +66,6 @@ void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
-                                         const std::vector<int64_t>& m_splits) {
-  return forward(input, torch::tensor(m_splits, torch::kLong));
-}
-
-torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
                                          const torch::Tensor& m_splits) {
   TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer_->name(),
                     "': expected an input of shape [*, ", options.in_features(),
