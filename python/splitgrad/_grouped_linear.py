@@ -17,6 +17,9 @@ from ._linear import _TE_DEFAULTS, _default_device, _exporting, _takes_an_argume
 
 __all__ = ["GroupedLinear"]
 
+# te.GroupedLinear's keywords accepted at their defaults: te.Linear's, and these.
+_GROUPED_TE_DEFAULTS = {**_TE_DEFAULTS, "return_bias": False, "save_original_input": False}
+
 _grouped_linear_op = torch.ops.splitgrad.grouped_linear.default
 
 
@@ -62,11 +65,11 @@ class GroupedLinear(nn.Module):
         **te_keywords,
     ) -> None:
         super().__init__()
-        unsupported = sorted(k for k, v in te_keywords.items() if _TE_DEFAULTS.get(k, object()) != v)
+        unsupported = sorted(k for k, v in te_keywords.items() if _GROUPED_TE_DEFAULTS.get(k, object()) != v)
         if unsupported:
             raise TypeError(
                 f"splitgrad.GroupedLinear got keyword argument(s) it does not support: {unsupported} "
-                f"(te.GroupedLinear keywords accepted only at their defaults: {sorted(_TE_DEFAULTS)})"
+                f"(te.GroupedLinear keywords accepted only at their defaults: {sorted(_GROUPED_TE_DEFAULTS)})"
             )
         for arg, value in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

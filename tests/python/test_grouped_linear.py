@@ -380,7 +380,10 @@ def test_constructor_errors():
         splitgrad.GroupedLinear(2, IN, OUT, device="cpu", params_dtype=torch.int32)
     with pytest.raises(TypeError, match="tp_size"):
         splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=2)
-    layer = splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=1, sequence_parallel=False)
+    with pytest.raises(TypeError, match="return_bias"):
+        splitgrad.GroupedLinear(2, IN, OUT, device="cpu", return_bias=True)
+    layer = splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=1, sequence_parallel=False,
+                                    return_bias=False, save_original_input=False)
     assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1", "bias0", "bias1"]
 
 
