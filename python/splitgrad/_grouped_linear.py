@@ -4,6 +4,7 @@ deferred weight gradients that equal per-expert plain autograd's."""
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from typing import Callable, Sequence
 
@@ -149,10 +150,15 @@ class GroupedLinear(nn.Module):
             return m_splits if m_splits.dtype == torch.int64 else m_splits.to(torch.int64)
         if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
             raise TypeError(f"{who}: expected m_splits as a list of ints or an integer tensor, got {type(m_splits).__name__}")
+        counts = []
         for i, s in enumerate(m_splits):
-            if isinstance(s, bool) or not isinstance(s, int):
-                raise DTypeError(f"{who}: expected m_splits of ints (row counts), got m_splits[{i}] = {s!r}")
-        return torch.tensor(list(m_splits), dtype=torch.int64)
+            try:  # ints, and integers that say they are (numpy's): not floats, not bools
+                if isinstance(s, (bool, torch.Tensor)) or getattr(s, "dtype", None) == bool:
+                    raise TypeError
+                counts.append(operator.index(s))
+            except TypeError:
+                raise DTypeError(f"{who}: expected m_splits of ints (row counts), got m_splits[{i}] = {s!r}") from None
+        return torch.tensor(counts, dtype=torch.int64)
 
     def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None) -> torch.Tensor:
         """y = per-expert ``x_i·W_iᵀ + b_i`` for ``inp`` of shape [*, in_features] (flattened to

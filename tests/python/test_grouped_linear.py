@@ -348,6 +348,18 @@ def test_bad_splits(m_splits, error, message, delay):
     assert splitgrad.pending_wgrads() == 0
 
 
+def test_numpy_integer_splits_are_taken():
+    np = pytest.importorskip("numpy")
+    layer = _layer()
+    reference = to_reference(layer)
+    x, gy = _data([1, 2, 0, 0, 3])
+    layer(x, list(np.array([1, 2, 0, 0, 3]))).backward(gy)
+    reference(x, [1, 2, 0, 0, 3]).backward(gy)
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    with pytest.raises(splitgrad.DTypeError, match=r"m_splits\[0\] = True"):
+        layer(x, [True, 2, 0, 0, 3])
+
+
 def test_int32_device_splits_are_taken():
     layer = _layer()
     reference = to_reference(layer)
