@@ -208,13 +208,14 @@ void check_weights_alike(Who who, at::TensorList weights) {
 
 void check_grouped_linear_args(Who who, const at::Tensor& input, const at::Tensor& m_splits,
                                at::TensorList weights, at::TensorList biases,
-                               bool splits_on_cpu_only) {
+                               bool splits_on_cpu_only,
+                               std::optional<at::ScalarType> compute_dtype) {
   check_weights_alike(who, weights);
   const int64_t groups = static_cast<int64_t>(weights.size());
   TORCH_CHECK_VALUE(biases.empty() || static_cast<int64_t>(biases.size()) == groups, who(),
                     ": expected no biases or one per weight (", groups, "), got ", biases.size());
   // Weights are alike: one group's linear check covers the input for all.
-  check_linear_args(who, input, weights[0], std::nullopt);
+  check_linear_args(who, input, weights[0], std::nullopt, compute_dtype);
   for (size_t i = 0; i < biases.size(); ++i) {
     const at::Tensor& b = biases[i];
     TORCH_CHECK_VALUE(b.defined() && b.dim() == 1 && b.size(0) == weights[0].size(0), who(),

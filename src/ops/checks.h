@@ -53,10 +53,12 @@ void check_main_grad(Who who, const std::string& param_name, const at::Tensor& m
 /// A grouped layer's arguments, without the splits' values: m_splits a 1-D int64 tensor of one
 /// entry per weight (on input's device or the CPU; only the CPU where `splits_on_cpu_only`);
 /// every weight [out, in] like weights[0], of one floating dtype and on one device; biases none or
-/// one per weight, [out], of the weights' dtype; input [*, in] of the weights' dtype and device.
+/// one per weight, [out], of the weights' dtype; input [*, in] of the weights' dtype (autocast's
+/// `compute_dtype` under autocast) and device.
 void check_grouped_linear_args(Who who, const at::Tensor& input, const at::Tensor& m_splits,
                                at::TensorList weights, at::TensorList biases,
-                               bool splits_on_cpu_only);
+                               bool splits_on_cpu_only,
+                               std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
 /// grad_output [*, out] for weights [out, in] alike, and m_splits as above.
 void check_grouped_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& m_splits,

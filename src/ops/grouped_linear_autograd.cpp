@@ -38,10 +38,11 @@ bool traced(const at::Tensor& t) {
 // are checked here when they are on the CPU; on a device, by the back end that reads them.
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
                       const at::Tensor& m_splits, at::TensorList weights, at::TensorList biases,
-                      const OptTensorList& weight_main_grads,
-                      const OptTensorList& bias_main_grads) {
+                      const OptTensorList& weight_main_grads, const OptTensorList& bias_main_grads,
+                      std::optional<at::ScalarType> compute_dtype) {
   auto who = [&] { return who_of(layer_id); };
-  check_grouped_linear_args(who, input, m_splits, weights, biases, /*splits_on_cpu_only=*/false);
+  check_grouped_linear_args(who, input, m_splits, weights, biases, /*splits_on_cpu_only=*/false,
+                            compute_dtype);
   if (m_splits.device().is_cpu() && !traced(m_splits)) {
     split_sizes(who, m_splits, flatten_tokens(input).size(0));
   }
@@ -65,6 +66,17 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
                     layer_id, " is not)");
 }
 
+// The parameters in the forward's compute dtype: autocast's (set by linear_autocast.cpp for this
+// call), else their own. Cast for the product only, so their gradients keep their dtype.
+std::vector<at::Tensor> in_compute_dtype(at::TensorList params,
+                                         std::optional<at::ScalarType> dtype) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) {
+    out.push_back(dtype.has_value() && p.scalar_type() != *dtype ? p.to(*dtype) : p);
+  }
+  return out;
+}
+
 // Per-group views of [tokens, features] rows, for the double-backward path's ATen ops.
 std::vector<at::Tensor> split_rows(const at::Tensor& t, const std::vector<int64_t>& sizes) {
   std::vector<at::Tensor> out;
@@ -82,8 +94,9 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
                             const at::Tensor& m_splits, at::TensorList weights,
                             at::TensorList biases, const OptTensorList& weight_main_grads,
                             const OptTensorList& bias_main_grads, int64_t layer_id, bool delay) {
+    const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
     check_layer_args(layer_id, delay, input, m_splits, weights, biases, weight_main_grads,
-                     bias_main_grads);
+                     bias_main_grads, compute_dtype);
     std::vector<at::Tensor> saved{input, m_splits};
     saved.insert(saved.end(), weights.begin(), weights.end());
     ctx->save_for_backward(saved);
@@ -95,15 +108,21 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     ctx->saved_data["bias_main_grads"] = bias_main_grads;
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
+    if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return ops::grouped_linear_fprop(input, m_splits, weights, biases);
+    return ops::grouped_linear_fprop(input, m_splits, in_compute_dtype(weights, compute_dtype),
+                                     in_compute_dtype(biases, compute_dtype));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& input = saved[0];
     const at::Tensor& m_splits = saved[1];
-    const std::vector<at::Tensor> weight_values(saved.begin() + 2, saved.end());
+    std::optional<at::ScalarType> compute_dtype;
+    if (ctx->saved_data.count("compute_dtype"))
+      compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
+    const std::vector<at::Tensor> weight_values =
+        in_compute_dtype(std::vector<at::Tensor>(saved.begin() + 2, saved.end()), compute_dtype);
     const std::vector<at::Tensor> weights = ctx->saved_data["weights"].toTensorVector();
     const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
     const auto weight_main_grads = ctx->saved_data["weight_main_grads"].toOptionalTensorList();
@@ -255,9 +274,11 @@ at::Tensor grouped_linear_forward_only(const at::Tensor& input, const at::Tensor
                                        const OptTensorList& weight_main_grads,
                                        const OptTensorList& bias_main_grads, int64_t layer_id,
                                        bool delay_wgrad_compute) {
+  const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
   check_layer_args(layer_id, delay_wgrad_compute, input, m_splits, weights, biases,
-                   weight_main_grads, bias_main_grads);
-  return ops::grouped_linear_fprop(input, m_splits, weights, biases);
+                   weight_main_grads, bias_main_grads, compute_dtype);
+  return ops::grouped_linear_fprop(input, m_splits, in_compute_dtype(weights, compute_dtype),
+                                   in_compute_dtype(biases, compute_dtype));
 }
 
 }  // namespace

@@ -635,3 +635,39 @@ def test_compile_runs_delayed_layers_eagerly(fused):
     assert layer.pending_wgrads() == 1
     layer.backward_dw()
     _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("mode", ["regular", "delayed", "fused"])
+def test_autocast_cpu_matches_per_expert_autograd(mode):
+    """Under torch.autocast the experts compute in autocast's dtype, as per-expert F.linear does:
+    the input is cast, the weights for the product only, and their gradients land in their own
+    dtype. Regular and delayed .grad take autograd's arithmetic (the bf16 gradient cast to fp32):
+    bit for bit; main_grad adds the product in fp32 without rounding it to bf16 first: close."""
+    layer = _layer(n=3, delay_wgrad_compute=mode != "regular", fuse_wgrad_accumulation=mode == "fused")
+    if mode == "fused":
+        for p in layer.weights + layer.biases:
+            p.main_grad = torch.zeros(p.shape)
+    reference = to_reference(layer)
+    splits = [3, 0, 4]
+    x, gy = _data(splits)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, y_ref = layer(x, splits), reference(x, splits)
+        # an activation already in bf16 is taken as it is, as F.linear takes it
+        y_bf16 = layer(x.bfloat16(), splits)
+    assert y.dtype == y_ref.dtype == y_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    torch.testing.assert_close(y_bf16, y_ref, rtol=0, atol=0)
+    y.backward(gy.bfloat16())
+    y_ref.backward(gy.bfloat16())
+    (y_bf16 * 0).sum().backward()  # adds zeros: the comparison below is unchanged
+    layer.backward_dw()
+    layer.backward_dw()
+    for p in layer.parameters():
+        assert (p.main_grad if mode == "fused" else p.grad).dtype == torch.float32
+    if mode == "fused":
+        for (name, p), p_ref in zip(layer.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.main_grad, p_ref.grad, rtol=1e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
+    else:
+        _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    with pytest.raises(splitgrad.DTypeError, match=r"expected input of dtype torch.float32 \(the weight's dtype\)"):
+        layer(x.bfloat16(), splits)  # outside autocast
