@@ -9,11 +9,13 @@
 /// floating-point; the input, bias and grad_output have the weight's dtype, or autocast's for the
 /// input), c10::Error for tensors on different devices.
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace splitgrad::ops {
 
@@ -68,5 +70,57 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& weight_main_grad,
                   const std::optional<at::Tensor>& bias_main_grad, int64_t layer_id,
                   bool delay_wgrad_compute);
+
+/// \name Grouped linear (MoE experts)
+/// `groups` linear maps over one tensor's rows: rows [offset_i, offset_i + m_splits[i]) of the
+/// input (flattened to [tokens, in_features]) go through group i, offset_i being the sum of the
+/// splits before i. `m_splits` is an int64 tensor of `groups` non-negative entries summing to the
+/// tokens; the CPU back end needs it on the CPU, the CUDA one takes it on either device. Every
+/// weight is [out_features, in_features] (one dtype, one device), every bias [out_features].
+/// @{
+
+/// fprop: y_i = x_i·W_iᵀ + b_i for each group's rows.
+/// \param input    x, [*, in_features]
+/// \param m_splits int64 [groups]
+/// \param weights  W_0 … W_{groups-1}
+/// \param biases   b_0 … b_{groups-1}, or empty for none
+/// \return y, [*, out_features]
+at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_splits,
+                                at::TensorList weights, at::TensorList biases);
+
+/// dgrad: dx_i = dy_i·W_i for each group's rows.
+/// \return dx, [*, in_features]
+at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor& m_splits,
+                                at::TensorList weights);
+
+/// wgrad into fresh tensors: dW_i = dy_iᵀ·x_i, db_i = Σ dy_i (zeros for a group without rows).
+/// \return (dW_0 … dW_{groups-1}, db_0 … db_{groups-1} or empty when !compute_bias_grad), in the
+///         inputs' dtype
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgrad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& m_splits,
+    bool compute_bias_grad);
+
+/// wgrad accumulated in place, `+=` per group as linear_wgrad_accumulate_ does: weight_grads[i] +=
+/// dy_iᵀ·x_i, bias_grads[i] += Σ dy_i. Targets may alias (experts sharing a weight): each group's
+/// product is added in group order.
+/// \param weight_grads [out_features, in_features] per group (nullopt: none), or an empty list
+/// \param bias_grads   [out_features] per group (nullopt: none), or an empty list
+void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& m_splits,
+                                      const c10::List<std::optional<at::Tensor>>& weight_grads,
+                                      const c10::List<std::optional<at::Tensor>>& bias_grads);
+
+/// The differentiable grouped layer: y_i = x_i·W_iᵀ + b_i, whose backward computes dgrad at once
+/// and every group's weight/bias gradients either at once or queued as one item for backward_dw().
+/// \param weight_main_grads fp32 buffer per weight (fuse_wgrad_accumulation), or an empty list
+/// \param bias_main_grads   fp32 buffer per bias (nullopt: that bias's gradient goes to .grad), or
+///        an empty list
+/// \param layer_id          as for linear()
+at::Tensor grouped_linear(const at::Tensor& input, const at::Tensor& m_splits,
+                          at::TensorList weights, at::TensorList biases,
+                          const c10::List<std::optional<at::Tensor>>& weight_main_grads,
+                          const c10::List<std::optional<at::Tensor>>& bias_main_grads,
+                          int64_t layer_id, bool delay_wgrad_compute);
+/// @}
 
 }  // namespace splitgrad::ops

@@ -19,6 +19,7 @@ from ._deferred import (
     set_pending_work_policy,
 )
 from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
+from ._grouped_linear import GroupedLinear
 from ._linear import Linear, name_layers
 from ._layernorm import LayerNormLinear, LayerNormMLP
 from . import distributed  # splitgrad.distributed.GradReducer
@@ -45,6 +46,7 @@ __all__ = [
     "Linear",
     "LayerNormLinear",
     "LayerNormMLP",
+    "GroupedLinear",
     "backward_dw_all",
     "pending_wgrads",
     "layers_with_pending_wgrads",

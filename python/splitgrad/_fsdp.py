@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
 from ._deferred import _param_aliases, register_grad_ready_hook
+from ._grouped_linear import GroupedLinear
 from ._linear import _DeferredWgradModule
 
 __all__ = ["fully_shard", "finish_fsdp_reductions", "fsdp_reduction_log"]
@@ -151,10 +152,10 @@ def _unsharded_aliases(params: list[torch.Tensor]) -> list[torch.Tensor]:
 _param_aliases.append(_unsharded_aliases)
 
 
-def _delayed_layer(fsdp_param) -> _DeferredWgradModule | None:
+def _delayed_layer(fsdp_param) -> _DeferredWgradModule | GroupedLinear | None:
     info = fsdp_param._module_info
     for module in (info.module, *info.shared_modules):
-        if isinstance(module, _DeferredWgradModule) and module.delay_wgrad_compute:
+        if isinstance(module, (_DeferredWgradModule, GroupedLinear)) and module.delay_wgrad_compute:
             return module
     return None
 
@@ -189,7 +190,7 @@ def fully_shard(module: nn.Module | list[nn.Module], **kwargs):
     global _step_hook_installed
     for m in module if isinstance(module, list) else [module]:
         for layer in m.modules():
-            if isinstance(layer, _DeferredWgradModule) and layer.fuse_wgrad_accumulation:
+            if isinstance(layer, (_DeferredWgradModule, GroupedLinear)) and layer.fuse_wgrad_accumulation:
                 raise ValueError(
                     f"splitgrad.distributed.fully_shard: layer '{layer.name}' has "
                     "fuse_wgrad_accumulation=True; under FSDP the gradients live in FSDP's buffers, "

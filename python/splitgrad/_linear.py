@@ -415,8 +415,11 @@ def _takes_an_argument(fn: Callable) -> bool:
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:
-    """Name every splitgrad layer (Linear, LayerNormLinear, LayerNormMLP) in ``model`` after its path (``"blocks.0.fc1"``), so messages
-    about pending work and errors say which layer they mean."""
+    """Name every splitgrad layer (Linear, LayerNormLinear, LayerNormMLP, GroupedLinear) in ``model``
+    after its path (``"blocks.0.fc1"``), so messages about pending work and errors say which layer
+    they mean."""
+    from ._grouped_linear import GroupedLinear  # it imports this module
+
     for path, module in model.named_modules(prefix=prefix):
-        if isinstance(module, _DeferredWgradModule):
+        if isinstance(module, (_DeferredWgradModule, GroupedLinear)):
             module.name = path or type(model).__name__

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed import pipelining as _pipelining
 
 from ._errors import PendingWgradError
+from ._grouped_linear import GroupedLinear
 from ._linear import _DeferredWgradModule
 
 __all__ = ["PipelineStage", "TiedParameter", "StageTimeline", "Interval", "busy_time", "bubble_fraction",
@@ -75,7 +76,7 @@ def _delayed_layers(module: nn.Module) -> list[_DeferredWgradModule]:
     seen: set[int] = set()
     layers = []
     for layer in module.modules():
-        if isinstance(layer, _DeferredWgradModule) and layer.delay_wgrad_compute and id(layer) not in seen:
+        if isinstance(layer, (_DeferredWgradModule, GroupedLinear)) and layer.delay_wgrad_compute and id(layer) not in seen:
             seen.add(id(layer))
             layers.append(layer)
     return layers
@@ -89,7 +90,7 @@ class PipelineStage(_pipelining.PipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` whose W step is splitgrad's deferred wgrad.
 
     Same arguments as torch's (``dw_builder`` is this class's own). ``submodule`` holds the stage's
-    layers; those that are splitgrad layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) built
+    layers; those that are splitgrad layers (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``, ``GroupedLinear``) built
     with ``delay_wgrad_compute=True`` have their GEMMs' weight gradients computed in W, the rest in B.
 
     - A W step (``backward_weight_one_chunk(i)``) runs the deferred work queued by micro-batch

@@ -10,9 +10,15 @@ namespace splitgrad::core {
 std::vector<at::Tensor> DeferredWgrad::targets() const {
   // A frozen weight (requires_grad=False) with a trainable bias leaves `weight` empty.
   std::vector<at::Tensor> out;
-  for (const WeakTensor* target : {&weight, &bias}) {
-    at::Tensor param(target->lock());
+  auto add = [&](const WeakTensor& target) {
+    at::Tensor param(target.lock());
     if (param.defined()) out.push_back(std::move(param));
+  };
+  add(weight);
+  add(bias);
+  for (const auto& group : groups) {
+    add(group.weight);
+    add(group.bias);
   }
   return out;
 }
@@ -22,7 +28,18 @@ bool DeferredWgrad::feeds(const at::Tensor& param) const {
   // The weak references keep a freed parameter's address from being reused, so an address
   // match is the parameter itself, live.
   const c10::TensorImpl* impl = param.unsafeGetTensorImpl();
-  return weight._unsafe_get_target() == impl || bias._unsafe_get_target() == impl;
+  if (weight._unsafe_get_target() == impl || bias._unsafe_get_target() == impl) return true;
+  return std::any_of(groups.begin(), groups.end(), [&](const GroupTargets& group) {
+    return group.weight._unsafe_get_target() == impl || group.bias._unsafe_get_target() == impl;
+  });
+}
+
+bool DeferredWgrad::targets_freed() const {
+  // expired() reads a count: no parameter is revived (and maybe freed) by asking.
+  if (!weight.expired() || !bias.expired()) return false;
+  return std::all_of(groups.begin(), groups.end(), [](const GroupTargets& group) {
+    return group.weight.expired() && group.bias.expired();
+  });
 }
 
 WgradStore& WgradStore::instance() {
@@ -165,8 +182,7 @@ std::vector<DeferredWgrad> WgradStore::take_feeding(const std::vector<at::Tensor
     auto keep = std::stable_partition(items.begin(), items.end(), [&](const DeferredWgrad& item) {
       // An item whose parameters are all freed feeds no one: any call takes it, so that it is
       // reported and its stash freed rather than kept until its layer goes.
-      // (expired() reads a count: no parameter is revived, and maybe freed, under the mutex.)
-      return !feeds(item, params) && !(item.weight.expired() && item.bias.expired());
+      return !feeds(item, params) && !item.targets_freed();
     });
     for (auto it = keep; it != items.end(); ++it) {
       if (--queue.per_pass[it->pass] == 0) queue.per_pass.erase(it->pass);

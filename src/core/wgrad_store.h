@@ -22,8 +22,18 @@ namespace splitgrad::core {
 /// Identifies a layer registered with the store (0 is "no layer").
 using LayerId = int64_t;
 
+/// One group's gradient targets in a grouped application (GroupedLinear's expert i). Empty
+/// members receive nothing. The parameters are held weakly, as DeferredWgrad's are.
+struct GroupTargets {
+  WeakTensor weight = weak_ref(at::Tensor());  ///< the group's weight parameter
+  WeakTensor bias = weak_ref(at::Tensor());    ///< the group's bias parameter
+  at::Tensor weight_main_grad;  ///< fp32 accumulation buffer (fuse_wgrad_accumulation)
+  at::Tensor bias_main_grad;
+};
+
 /// One linear layer application's deferred wgrad: dW = dyᵀ·x (and db = Σ dy), to be added to the
-/// target parameters' gradients.
+/// target parameters' gradients. A grouped application (GroupedLinear) is one item too: its rows
+/// are split into groups, group i's products going to groups[i].
 struct DeferredWgrad {
   LayerId layer = 0;
   PassId pass = 0;                   ///< the backward pass that queued it
@@ -45,10 +55,21 @@ struct DeferredWgrad {
   /// on it. Work run on another stream must keep them from the allocator until it has read them.
   c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
 
-  /// The live parameters this item contributes to (weight if it trains, then bias if any).
+  /// A grouped application: rows [offset_i, offset_i + m_splits[i]) of input and grad_output
+  /// belong to group i (offset_i: the sum of the splits before i), whose targets are groups[i];
+  /// weight and bias above stay undefined. m_splits undefined and groups empty otherwise.
+  at::Tensor m_splits;            ///< int64 [groups]
+  uint32_t m_splits_version = 0;  ///< m_splits' version counter when stashed
+  std::vector<GroupTargets> groups;
+
+  /// The live parameters this item contributes to (weight if it trains, then bias if any; for a
+  /// grouped application, each group's in order; a parameter tied between groups appears once per
+  /// group).
   std::vector<at::Tensor> targets() const;
   /// Whether it contributes to `param` (compared by identity; a freed parameter is no match).
   bool feeds(const at::Tensor& param) const;
+  /// Whether every parameter it was for has been freed (it can land nowhere).
+  bool targets_freed() const;
 };
 
 class WgradStore {

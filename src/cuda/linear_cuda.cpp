@@ -9,6 +9,8 @@
 //                          add
 // Row-major [r, c] tensors are column-major [c, r] to cuBLAS; transposes are GEMM flags, not
 // copies.
+#include "cuda/linear_cuda.h"
+
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -131,36 +133,65 @@ bool bias_target_direct(const at::Tensor& target) {
   return covered(target.scalar_type()) && target.dim() == 1 && target.is_contiguous();
 }
 
+}  // namespace
+
+void fprop_into(const at::Tensor& x, const at::Tensor& weight,
+                const std::optional<at::Tensor>& bias, const at::Tensor& y) {
+  const int64_t tokens = x.size(0), in = weight.size(1), out = weight.size(0);
+  if (tokens == 0 || out == 0) return;
+  TORCH_INTERNAL_ASSERT(writable_row_major(y) && y.size(0) == tokens && y.size(1) == out);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (in == 0) {
+    has_bias ? y.copy_(bias->expand({tokens, out})) : y.zero_();
+    return;
+  }
+  // D (col-major [out, tokens]) = op(A) [out, in] · op(B) [in, tokens], A = W, B = xᵀ.
+  at::Tensor a_storage, b_storage, bias_storage;
+  GemmArgs args;
+  args.m = out, args.n = tokens, args.k = in;
+  args.a = operand(weight, /*use_as_is=*/true, a_storage);
+  args.b = operand(x, /*use_as_is=*/false, b_storage);
+  args.d = y.data_ptr(), args.d_type = cuda_type(y.scalar_type()), args.ldd = row_major_ld(y);
+  args.compute = compute_type(x.scalar_type());
+  if (has_bias) {
+    bias_storage = bias->contiguous();
+    args.epilogue = Epilogue::kBias;
+    args.bias = bias_storage.data_ptr();
+    args.bias_type = args.d_type;
+  }
+  run(args, "fprop", x, weight);
+}
+
+void dgrad_into(const at::Tensor& dy, const at::Tensor& weight, const at::Tensor& dx) {
+  const int64_t tokens = dy.size(0), in = weight.size(1), out = weight.size(0);
+  if (tokens == 0 || in == 0) return;
+  TORCH_INTERNAL_ASSERT(writable_row_major(dx) && dx.size(0) == tokens && dx.size(1) == in);
+  if (out == 0) {
+    dx.zero_();
+    return;
+  }
+  // D (col-major [in, tokens]) = op(A) [in, out] · op(B) [out, tokens], A = Wᵀ, B = dyᵀ.
+  at::Tensor a_storage, b_storage;
+  GemmArgs args;
+  args.m = in, args.n = tokens, args.k = out;
+  args.a = operand(weight, /*use_as_is=*/false, a_storage);
+  args.b = operand(dy, /*use_as_is=*/false, b_storage);
+  args.d = dx.data_ptr(), args.d_type = cuda_type(dx.scalar_type()), args.ldd = row_major_ld(dx);
+  args.compute = compute_type(dy.scalar_type());
+  run(args, "dgrad", dy, weight);
+}
+
+bool covers(at::ScalarType type) { return covered(type); }
+
 at::Tensor linear_fprop(const at::Tensor& input, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
   detail::check_linear_args(detail::named("splitgrad::linear_fprop"), input, weight, bias);
   if (!covered(input.scalar_type())) return aten_backend::linear_fprop(input, weight, bias);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::flatten_tokens(input);
-  const int64_t tokens = x.size(0), in = weight.size(1), out = weight.size(0);
-  at::Tensor y = at::empty({tokens, out}, input.options());
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (tokens > 0 && out > 0) {
-    if (in == 0) {
-      has_bias ? y.copy_(bias->expand({tokens, out})) : y.zero_();
-    } else {
-      // D (col-major [out, tokens]) = op(A) [out, in] · op(B) [in, tokens], A = W, B = xᵀ.
-      at::Tensor a_storage, b_storage, bias_storage;
-      GemmArgs args;
-      args.m = out, args.n = tokens, args.k = in;
-      args.a = operand(weight, /*use_as_is=*/true, a_storage);
-      args.b = operand(x, /*use_as_is=*/false, b_storage);
-      args.d = y.data_ptr(), args.d_type = cuda_type(y.scalar_type()), args.ldd = out;
-      args.compute = compute_type(input.scalar_type());
-      if (has_bias) {
-        bias_storage = bias->contiguous();
-        args.epilogue = Epilogue::kBias;
-        args.bias = bias_storage.data_ptr();
-        args.bias_type = args.d_type;
-      }
-      run(args, "fprop", x, weight);
-    }
-  }
+  const int64_t out = weight.size(0);
+  at::Tensor y = at::empty({x.size(0), out}, input.options());
+  fprop_into(x, weight, bias, y);
   return input.dim() == 2 ? y : y.view(detail::with_last_dim(input.sizes(), out));
 }
 
@@ -169,25 +200,13 @@ at::Tensor linear_dgrad(const at::Tensor& grad_output, const at::Tensor& weight)
   if (!covered(grad_output.scalar_type())) return aten_backend::linear_dgrad(grad_output, weight);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const at::Tensor dy = detail::flatten_tokens(grad_output);
-  const int64_t tokens = dy.size(0), in = weight.size(1), out = weight.size(0);
-  at::Tensor dx = at::empty({tokens, in}, grad_output.options());
-  if (tokens > 0 && in > 0) {
-    if (out == 0) {
-      dx.zero_();
-    } else {
-      // D (col-major [in, tokens]) = op(A) [in, out] · op(B) [out, tokens], A = Wᵀ, B = dyᵀ.
-      at::Tensor a_storage, b_storage;
-      GemmArgs args;
-      args.m = in, args.n = tokens, args.k = out;
-      args.a = operand(weight, /*use_as_is=*/false, a_storage);
-      args.b = operand(dy, /*use_as_is=*/false, b_storage);
-      args.d = dx.data_ptr(), args.d_type = cuda_type(dx.scalar_type()), args.ldd = in;
-      args.compute = compute_type(grad_output.scalar_type());
-      run(args, "dgrad", dy, weight);
-    }
-  }
+  const int64_t in = weight.size(1);
+  at::Tensor dx = at::empty({dy.size(0), in}, grad_output.options());
+  dgrad_into(dy, weight, dx);
   return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
 }
+
+namespace {
 
 // dW into `weight_target` (row-major [out, in]) by one GEMM D (col-major [in, out]) = op(A)
 // [in, tokens] · op(B) [tokens, out], A = xᵀ, B = dy; `accumulate` adds to the target (beta = 1).
@@ -205,6 +224,8 @@ void wgrad_gemm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& wei
   args.compute = compute_type(dy.scalar_type());
   run(args, "wgrad", dy, x);
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> linear_wgrad(const at::Tensor& grad_output,
                                                 const at::Tensor& input, bool compute_bias_grad) {
@@ -252,8 +273,6 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
     }
   }
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(splitgrad, CUDA, m) {
   m.impl("linear_fprop", &linear_fprop);

@@ -1,6 +1,7 @@
 #include "ops/checks.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 namespace splitgrad::detail {
 
@@ -150,6 +151,132 @@ void check_main_grad(Who who, const std::string& param_name, const at::Tensor& m
   TORCH_CHECK_VALUE(main_grad.device() == param.device(), who(), ": expected ", param_name,
                     ".main_grad on ", param.device(), " (the parameter's device), got ",
                     main_grad.device());
+}
+
+void check_splits_tensor(Who who, const at::Tensor& m_splits, std::optional<int64_t> groups,
+                         const at::Tensor& data, bool cpu_only) {
+  TORCH_CHECK_VALUE(m_splits.defined(), who(),
+                    ": expected m_splits, a tensor of int64 row counts, got an undefined tensor");
+  TORCH_CHECK_TYPE(m_splits.scalar_type() == at::kLong, who(),
+                   ": expected m_splits of dtype torch.int64 (row counts), got ",
+                   dtype_name(m_splits.scalar_type()));
+  TORCH_CHECK_VALUE(m_splits.dim() == 1 && (!groups || m_splits.size(0) == *groups), who(),
+                    ": expected ", groups ? c10::str(*groups, " splits (one per group)") : "splits",
+                    " in a 1-D m_splits, got shape ", m_splits.sizes());
+  if (cpu_only || data.device().is_cpu()) {
+    TORCH_CHECK(m_splits.device().is_cpu(), who(), ": expected m_splits on the CPU for input on ",
+                data.device(), ", got m_splits on ", m_splits.device());
+  } else {
+    TORCH_CHECK(m_splits.device().is_cpu() || m_splits.device() == data.device(), who(),
+                ": expected m_splits on the CPU or on ", data.device(),
+                " (the input's device), got m_splits on ", m_splits.device());
+  }
+}
+
+std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t rows) {
+  TORCH_INTERNAL_ASSERT(m_splits.device().is_cpu() && m_splits.scalar_type() == at::kLong);
+  const at::Tensor splits = m_splits.contiguous();
+  const int64_t* data = splits.data_ptr<int64_t>();
+  std::vector<int64_t> sizes(data, data + splits.numel());
+  int64_t total = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK_VALUE(sizes[i] >= 0, who(), ": expected non-negative m_splits, got m_splits[", i,
+                      "] = ", sizes[i], " (m_splits = [", c10::Join(", ", sizes), "])");
+    total += sizes[i];
+  }
+  TORCH_CHECK_VALUE(total == rows, who(), ": expected m_splits to sum to the input's ", rows,
+                    " rows (tokens), got a sum of ", total, " (m_splits = [",
+                    c10::Join(", ", sizes), "])");
+  return sizes;
+}
+
+namespace {
+// Every weight defined, 2-D, and alike (weight0's shape, dtype and device).
+void check_weights_alike(Who who, at::TensorList weights) {
+  TORCH_CHECK_VALUE(!weights.empty(), who(), ": expected at least one weight (group), got none");
+  const at::Tensor& first = weights[0];
+  TORCH_CHECK_VALUE(first.defined() && first.dim() == 2, who(),
+                    ": expected weight0 of shape [out_features, in_features], got ",
+                    first.defined() ? c10::str("shape ", first.sizes()) : "an undefined tensor");
+  TORCH_CHECK_TYPE(at::isFloatingType(first.scalar_type()), who(),
+                   ": expected a floating-point weight0, got ", dtype_name(first.scalar_type()));
+  for (size_t i = 1; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK_VALUE(w.defined() && w.sizes() == first.sizes(), who(), ": expected weight", i,
+                      " of shape ", first.sizes(), " (weight0's), got ",
+                      w.defined() ? c10::str("shape ", w.sizes()) : "an undefined tensor");
+    TORCH_CHECK_TYPE(w.scalar_type() == first.scalar_type(), who(), ": expected weight", i,
+                     " of dtype ", dtype_name(first.scalar_type()), " (weight0's), got ",
+                     dtype_name(w.scalar_type()));
+    TORCH_CHECK(w.device() == first.device(), who(), ": expected weight", i, " on ", first.device(),
+                " (weight0's device), got ", w.device());
+  }
+}
+}  // namespace
+
+void check_grouped_linear_args(Who who, const at::Tensor& input, const at::Tensor& m_splits,
+                               at::TensorList weights, at::TensorList biases,
+                               bool splits_on_cpu_only,
+                               std::optional<at::ScalarType> compute_dtype) {
+  check_weights_alike(who, weights);
+  const int64_t groups = static_cast<int64_t>(weights.size());
+  TORCH_CHECK_VALUE(biases.empty() || static_cast<int64_t>(biases.size()) == groups, who(),
+                    ": expected no biases or one per weight (", groups, "), got ", biases.size());
+  // Weights are alike: one group's linear check covers the input for all.
+  check_linear_args(who, input, weights[0], std::nullopt, compute_dtype);
+  for (size_t i = 0; i < biases.size(); ++i) {
+    const at::Tensor& b = biases[i];
+    TORCH_CHECK_VALUE(b.defined() && b.dim() == 1 && b.size(0) == weights[0].size(0), who(),
+                      ": expected bias", i, " of shape [", weights[0].size(0), "], got ",
+                      b.defined() ? c10::str("shape ", b.sizes()) : "an undefined tensor");
+    TORCH_CHECK_TYPE(b.scalar_type() == weights[0].scalar_type(), who(), ": expected bias", i,
+                     " of dtype ", dtype_name(weights[0].scalar_type()),
+                     " (the weights' dtype), got ", dtype_name(b.scalar_type()));
+    TORCH_CHECK(b.device() == weights[0].device(), who(), ": expected bias", i, " on ",
+                weights[0].device(), ", got ", b.device());
+  }
+  check_splits_tensor(who, m_splits, groups, input, splits_on_cpu_only);
+}
+
+void check_grouped_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& m_splits,
+                              at::TensorList weights, bool splits_on_cpu_only) {
+  check_weights_alike(who, weights);
+  check_dgrad_args(who, grad_output, weights[0]);
+  TORCH_CHECK(grad_output.device() == weights[0].device(), who(), ": expected grad_output on ",
+              weights[0].device(), " (the weights' device), got ", grad_output.device());
+  check_splits_tensor(who, m_splits, static_cast<int64_t>(weights.size()), grad_output,
+                      splits_on_cpu_only);
+}
+
+void check_grouped_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
+                              const at::Tensor& m_splits, bool splits_on_cpu_only) {
+  check_wgrad_args(who, grad_output, input);
+  check_splits_tensor(who, m_splits, std::nullopt, input, splits_on_cpu_only);
+}
+
+void check_grouped_wgrad_accumulate_args(Who who, const at::Tensor& grad_output,
+                                         const at::Tensor& input, const at::Tensor& m_splits,
+                                         const c10::List<std::optional<at::Tensor>>& weight_grads,
+                                         const c10::List<std::optional<at::Tensor>>& bias_grads,
+                                         bool splits_on_cpu_only) {
+  check_grouped_wgrad_args(who, grad_output, input, m_splits, splits_on_cpu_only);
+  const int64_t groups = m_splits.size(0);
+  check_group_list_length(who, "weight_grads", weight_grads, groups);
+  check_group_list_length(who, "bias_grads", bias_grads, groups);
+  for (int64_t i = 0; i < groups; ++i) {
+    const std::optional<at::Tensor> w = weight_grads.empty() ? std::nullopt : weight_grads.get(i);
+    const std::optional<at::Tensor> b = bias_grads.empty() ? std::nullopt : bias_grads.get(i);
+    if ((!w || !w->defined()) && (!b || !b->defined())) continue;
+    auto group_who = [&] { return c10::str(who(), " (group ", i, ")"); };
+    check_wgrad_accumulate_args(group_who, grad_output, input, w, b);
+  }
+}
+
+void check_group_list_length(Who who, const char* what,
+                             const c10::List<std::optional<at::Tensor>>& list, int64_t groups) {
+  TORCH_CHECK_VALUE(list.empty() || static_cast<int64_t>(list.size()) == groups, who(),
+                    ": expected ", what, " to be empty or have one entry per group (", groups,
+                    "), got ", list.size());
 }
 
 }  // namespace splitgrad::detail

@@ -3,6 +3,7 @@
 // `who` names the caller in messages ("splitgrad layer 'fc1'", "splitgrad::linear_fprop"); it is
 // called only when a check fails, so the fast path builds no string.
 
+#include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/FunctionRef.h>
 
@@ -54,5 +55,44 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
 /// main_grad: fp32, param's shape, param's device (Megatron's contract).
 void check_main_grad(Who who, const std::string& param_name, const at::Tensor& main_grad,
                      const at::Tensor& param);
+
+/// A grouped layer's arguments, without the splits' values: m_splits a 1-D int64 tensor of one
+/// entry per weight (on input's device or the CPU; only the CPU where `splits_on_cpu_only`);
+/// every weight [out, in] like weights[0], of one floating dtype and on one device; biases none or
+/// one per weight, [out], of the weights' dtype; input [*, in] of the weights' dtype (autocast's
+/// `compute_dtype` under autocast) and device.
+void check_grouped_linear_args(Who who, const at::Tensor& input, const at::Tensor& m_splits,
+                               at::TensorList weights, at::TensorList biases,
+                               bool splits_on_cpu_only,
+                               std::optional<at::ScalarType> compute_dtype = std::nullopt);
+
+/// grad_output [*, out] for weights [out, in] alike, and m_splits as above.
+void check_grouped_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& m_splits,
+                              at::TensorList weights, bool splits_on_cpu_only);
+
+/// check_wgrad_args, and m_splits a 1-D int64 tensor (one entry per group) as above.
+void check_grouped_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
+                              const at::Tensor& m_splits, bool splits_on_cpu_only);
+
+/// check_grouped_wgrad_args, plus the targets: each list empty or one entry per group, each
+/// entry absent or as check_wgrad_accumulate_args wants it.
+void check_grouped_wgrad_accumulate_args(Who who, const at::Tensor& grad_output,
+                                         const at::Tensor& input, const at::Tensor& m_splits,
+                                         const c10::List<std::optional<at::Tensor>>& weight_grads,
+                                         const c10::List<std::optional<at::Tensor>>& bias_grads,
+                                         bool splits_on_cpu_only);
+
+/// m_splits a 1-D int64 tensor of `groups` entries (any number when nullopt), on the CPU or on
+/// `data`'s device (only the CPU where `cpu_only`, or where `data` is on the CPU: a CPU kernel
+/// reading a device tensor would synchronise with the device).
+void check_splits_tensor(Who who, const at::Tensor& m_splits, std::optional<int64_t> groups,
+                         const at::Tensor& data, bool cpu_only);
+
+/// The splits' values, checked: non-negative, summing to `rows`. m_splits must be on the CPU.
+std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t rows);
+
+/// A list of per-group optional tensors: empty, or one entry per group.
+void check_group_list_length(Who who, const char* what,
+                             const c10::List<std::optional<at::Tensor>>& list, int64_t groups);
 
 }  // namespace splitgrad::detail

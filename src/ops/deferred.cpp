@@ -90,7 +90,9 @@ MainGradCallback& main_grad_callback() {
 // backward_dw and another's fused backward) may feed the same parameter. Striped by address.
 class GradWriteLocks {
  public:
-  explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params) {
+  explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params)
+      : GradWriteLocks(std::vector<const at::Tensor*>(params)) {}
+  explicit GradWriteLocks(const std::vector<const at::Tensor*>& params) {
     std::vector<size_t> stripes;
     for (const at::Tensor* p : params) {
       if (p->defined()) {
@@ -202,6 +204,76 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
     notify_main_grad_accumulated(sinks.bias);
 }
 
+void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
+                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks) {
+  // accumulate_wgrad's rules, per group; the products of all groups come from at most two grouped
+  // ops (one making fresh gradients for .grad, one adding in place), so a grouped kernel serves
+  // them all at once.
+  c10::InferenceMode not_inference(false);
+  at::NoGradGuard no_grad;
+  const size_t groups = sinks.size();
+  {
+    std::vector<const at::Tensor*> params;
+    for (const auto& sink : sinks) {
+      params.push_back(&sink.weight);
+      params.push_back(&sink.bias);
+    }
+    GradWriteLocks locks(params);
+    std::vector<char> weight_to_grad(groups), bias_in_place(groups), bias_value(groups);
+    bool any_weight_to_grad = false, any_bias_value = false;
+    c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
+    for (size_t i = 0; i < groups; ++i) {
+      const WgradSinks& sink = sinks[i];
+      weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
+      const at::Tensor bias_grad = sink.bias.defined() ? sink.bias.grad() : at::Tensor();
+      bias_in_place[i] =
+          sink.bias.defined() && (sink.bias_main_grad.defined() ||
+                                  (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+                                   bias_grad.scalar_type() == grad_output.scalar_type()));
+      bias_value[i] = sink.bias.defined() && !bias_in_place[i];
+      any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
+      any_bias_value |= static_cast<bool>(bias_value[i]);
+      weight_targets.push_back(sink.weight.defined() && !weight_to_grad[i]
+                                   ? std::optional<at::Tensor>(sink.weight_main_grad)
+                                   : std::nullopt);
+      bias_targets.push_back(!bias_in_place[i]               ? std::nullopt
+                             : sink.bias_main_grad.defined() ? std::optional(sink.bias_main_grad)
+                                                             : std::optional(bias_grad));
+    }
+    std::vector<at::Tensor> fresh_weight, fresh_bias;
+    if (any_weight_to_grad) {
+      std::tie(fresh_weight, fresh_bias) =
+          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
+    } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
+      for (size_t i = 0; i < groups; ++i) {
+        fresh_bias.push_back(bias_value[i]
+                                 ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
+                                 : at::Tensor());
+        if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+      }
+    }
+    const bool any_in_place =
+        std::any_of(weight_targets.begin(), weight_targets.end(),
+                    [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
+        std::any_of(bias_targets.begin(), bias_targets.end(),
+                    [](const std::optional<at::Tensor>& t) { return t.has_value(); });
+    if (any_in_place) {
+      ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
+                                            bias_targets);
+    }
+    for (size_t i = 0; i < groups; ++i) {
+      if (weight_to_grad[i]) add_to_grad(sinks[i].weight, fresh_weight[i]);
+      if (bias_value[i]) add_to_grad(sinks[i].bias, fresh_bias[i]);
+    }
+  }
+  for (const auto& sink : sinks) {
+    if (sink.weight.defined() && sink.weight_main_grad.defined())
+      notify_main_grad_accumulated(sink.weight);
+    if (sink.bias.defined() && sink.bias_main_grad.defined())
+      notify_main_grad_accumulated(sink.bias);
+  }
+}
+
 }  // namespace detail
 
 namespace {
@@ -220,6 +292,9 @@ std::string stale_reason(const DeferredWgrad& item) {
   };
   std::string reason = check(item.input, item.input_version, "input");
   if (reason.empty()) reason = check(item.grad_output, item.grad_output_version, "grad_output");
+  if (reason.empty() && item.m_splits.defined()) {
+    reason = check(item.m_splits, item.m_splits_version, "m_splits");
+  }
   return reason;
 }
 
@@ -261,6 +336,10 @@ class InFlight {
       Entry entry{item.layer, item.pass, {}, false};
       for (const auto* target : {&item.weight, &item.bias})
         entry.targets.push_back(target->_unsafe_get_target());
+      for (const auto& group : item.groups) {
+        entry.targets.push_back(group.weight._unsafe_get_target());
+        entry.targets.push_back(group.bias._unsafe_get_target());
+      }
       batch.entries.push_back(std::move(entry));
     }
     in_flight_ += items.size();
@@ -443,7 +522,7 @@ void keep_until_read(const DeferredWgrad& item) {
   if (item.stream.device().is_cpu()) return;
   const c10::Stream now = detail::current_stream_of(item.input);
   if (now == item.stream) return;
-  for (const at::Tensor* t : {&item.input, &item.grad_output}) {
+  for (const at::Tensor* t : {&item.input, &item.grad_output, &item.m_splits}) {
     if (t->defined() && t->device() == now.device()) t->record_stream(now);
   }
 }
@@ -501,14 +580,27 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
     try {
       // Parameters freed since the item was queued get nothing (their main_grad neither); the
       // contribution is reported, not lost silently.
-      const at::Tensor weight(item.weight.lock()), bias(item.bias.lock());
-      warn_if_freed(item, item.weight, weight, "weight");
-      warn_if_freed(item, item.bias, bias, "bias");
-      if (weight.defined() || bias.defined()) {
-        detail::accumulate_wgrad(
-            item.grad_output, item.input,
-            {weight, bias, weight.defined() ? item.weight_main_grad : at::Tensor(),
-             bias.defined() ? item.bias_main_grad : at::Tensor()});
+      auto live_sinks = [&](const core::WeakTensor& weak_weight, const core::WeakTensor& weak_bias,
+                            const at::Tensor& weight_main_grad, const at::Tensor& bias_main_grad) {
+        const at::Tensor weight(weak_weight.lock()), bias(weak_bias.lock());
+        warn_if_freed(item, weak_weight, weight, "weight");
+        warn_if_freed(item, weak_bias, bias, "bias");
+        return detail::WgradSinks{weight, bias,
+                                  weight.defined() ? weight_main_grad : at::Tensor(),
+                                  bias.defined() ? bias_main_grad : at::Tensor()};
+      };
+      if (item.groups.empty()) {
+        const detail::WgradSinks sinks =
+            live_sinks(item.weight, item.bias, item.weight_main_grad, item.bias_main_grad);
+        if (sinks.weight.defined() || sinks.bias.defined())
+          detail::accumulate_wgrad(item.grad_output, item.input, sinks);
+      } else {
+        std::vector<detail::WgradSinks> sinks;
+        for (const auto& group : item.groups) {
+          sinks.push_back(
+              live_sinks(group.weight, group.bias, group.weight_main_grad, group.bias_main_grad));
+        }
+        detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks);
       }
     } catch (...) {
       keep_until_read(item);  // some of its kernels may have been enqueued

@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/grad_ledger.h"
 #include "core/wgrad_store.h"
@@ -62,6 +63,12 @@ struct WgradSinks {
 /// one, as AccumulateGrad would give it.
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks);
+
+/// The grouped form (GroupedLinear): rows [offset_i, offset_i + m_splits[i]) of grad_output and
+/// input feed sinks[i], with accumulate_wgrad's arithmetic per group. Sinks may share a parameter
+/// (tied experts): its contributions are added in group order.
+void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
+                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);

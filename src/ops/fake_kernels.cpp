@@ -37,9 +37,54 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
                                       grad_output, input, weight_grad, bias_grad);
 }
 
+// Grouped: the splits' values are data, which fake tensors have not; their dtype, shape and device
+// are checked, and the output shapes depend on the number of groups only.
+using OptTensorList = c10::List<std::optional<at::Tensor>>;
+
+at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_splits,
+                                at::TensorList weights, at::TensorList biases) {
+  detail::check_grouped_linear_args(detail::named("splitgrad::grouped_linear_fprop"), input,
+                                    m_splits, weights, biases, /*splits_on_cpu_only=*/false);
+  return at::empty(detail::with_last_dim(input.sizes(), weights[0].size(0)), input.options());
+}
+
+at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor& m_splits,
+                                at::TensorList weights) {
+  detail::check_grouped_dgrad_args(detail::named("splitgrad::grouped_linear_dgrad"), grad_output,
+                                   m_splits, weights, /*splits_on_cpu_only=*/false);
+  return at::empty(detail::with_last_dim(grad_output.sizes(), weights[0].size(1)),
+                   grad_output.options());
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgrad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& m_splits,
+    bool compute_bias_grad) {
+  detail::check_grouped_wgrad_args(detail::named("splitgrad::grouped_linear_wgrad"), grad_output,
+                                   input, m_splits, /*splits_on_cpu_only=*/false);
+  const int64_t out = grad_output.size(-1);
+  std::vector<at::Tensor> weight_grads, bias_grads;
+  for (int64_t i = 0; i < m_splits.size(0); ++i) {
+    weight_grads.push_back(at::empty({out, input.size(-1)}, input.options()));
+    if (compute_bias_grad) bias_grads.push_back(at::empty({out}, input.options()));
+  }
+  return {std::move(weight_grads), std::move(bias_grads)};
+}
+
+void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& m_splits, const OptTensorList& weight_grads,
+                                      const OptTensorList& bias_grads) {
+  detail::check_grouped_wgrad_accumulate_args(
+      detail::named("splitgrad::grouped_linear_wgrad_accumulate_"), grad_output, input, m_splits,
+      weight_grads, bias_grads, /*splits_on_cpu_only=*/false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(splitgrad, Meta, m) {
+  m.impl("grouped_linear_fprop", &grouped_linear_fprop);
+  m.impl("grouped_linear_dgrad", &grouped_linear_dgrad);
+  m.impl("grouped_linear_wgrad", &grouped_linear_wgrad);
+  m.impl("grouped_linear_wgrad_accumulate_", &grouped_linear_wgrad_accumulate_);
   m.impl("linear_fprop", &linear_fprop);
   m.impl("linear_dgrad", &linear_dgrad);
   m.impl("linear_wgrad", &linear_wgrad);

@@ -51,15 +51,52 @@ at::Tensor linear_autocast(const at::Tensor& input, const at::Tensor& weight, co
                      weight_main_grad, bias_main_grad, layer_id, delay_wgrad_compute);
 }
 
+// The grouped forms, likewise (the splits are not cast).
+using OptTensorList = c10::List<std::optional<at::Tensor>>;
+
+template <c10::DeviceType device>
+at::Tensor grouped_linear_fprop_autocast(const at::Tensor& input, const at::Tensor& m_splits,
+                                         at::TensorList weights, at::TensorList biases) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(device);
+  return ops::grouped_linear_fprop(at::autocast::cached_cast(dtype, input, device), m_splits,
+                                   at::autocast::cached_cast(dtype, weights, device),
+                                   at::autocast::cached_cast(dtype, biases, device));
+}
+
+template <c10::DeviceType device>
+at::Tensor grouped_linear_autocast(const at::Tensor& input, const at::Tensor& m_splits,
+                                   at::TensorList weights, at::TensorList biases,
+                                   const OptTensorList& weight_main_grads,
+                                   const OptTensorList& bias_main_grads, int64_t layer_id,
+                                   bool delay_wgrad_compute) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(
+      at::autocast::get_autocast_dispatch_key_from_device_type(device));
+  if (weights.empty() || !at::autocast::is_eligible(weights[0], device)) {
+    return ops::grouped_linear(input, m_splits, weights, biases, weight_main_grads, bias_main_grads,
+                               layer_id, delay_wgrad_compute);
+  }
+  const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(device);
+  AutocastComputeDtype compute(dtype);
+  return ops::grouped_linear(at::autocast::cached_cast(dtype, input, device), m_splits, weights,
+                             biases, weight_main_grads, bias_main_grads, layer_id,
+                             delay_wgrad_compute);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(splitgrad, AutocastCPU, m) {
   m.impl("linear", &linear_autocast<c10::DeviceType::CPU>);
   m.impl("linear_fprop", &linear_fprop_autocast<c10::DeviceType::CPU>);
+  m.impl("grouped_linear", &grouped_linear_autocast<c10::DeviceType::CPU>);
+  m.impl("grouped_linear_fprop", &grouped_linear_fprop_autocast<c10::DeviceType::CPU>);
 }
 TORCH_LIBRARY_IMPL(splitgrad, AutocastCUDA, m) {
   m.impl("linear", &linear_autocast<c10::DeviceType::CUDA>);
   m.impl("linear_fprop", &linear_fprop_autocast<c10::DeviceType::CUDA>);
+  m.impl("grouped_linear", &grouped_linear_autocast<c10::DeviceType::CUDA>);
+  m.impl("grouped_linear_fprop", &grouped_linear_fprop_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace splitgrad::detail

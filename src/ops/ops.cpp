@@ -50,4 +50,52 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const OptTe
                      delay_wgrad_compute);
 }
 
+using OptTensorList = c10::List<std::optional<at::Tensor>>;
+
+at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_splits,
+                                at::TensorList weights, at::TensorList biases) {
+  static auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList)>(
+          "splitgrad::grouped_linear_fprop");
+  return handle.call(input, m_splits, weights, biases);
+}
+
+at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor& m_splits,
+                                at::TensorList weights) {
+  static auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&, at::TensorList)>(
+      "splitgrad::grouped_linear_dgrad");
+  return handle.call(grad_output, m_splits, weights);
+}
+
+std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgrad(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& m_splits,
+    bool compute_bias_grad) {
+  static auto handle = op<std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>(
+      "splitgrad::grouped_linear_wgrad");
+  return handle.call(grad_output, input, m_splits, compute_bias_grad);
+}
+
+void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
+                                      const at::Tensor& m_splits, const OptTensorList& weight_grads,
+                                      const OptTensorList& bias_grads) {
+  static auto handle =
+      op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensorList&,
+              const OptTensorList&)>("splitgrad::grouped_linear_wgrad_accumulate_");
+  handle.call(grad_output, input, m_splits, weight_grads, bias_grads);
+}
+
+at::Tensor grouped_linear(const at::Tensor& input, const at::Tensor& m_splits,
+                          at::TensorList weights, at::TensorList biases,
+                          const OptTensorList& weight_main_grads,
+                          const OptTensorList& bias_main_grads, int64_t layer_id,
+                          bool delay_wgrad_compute) {
+  static auto handle =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList,
+                    const OptTensorList&, const OptTensorList&, int64_t, bool)>(
+          "splitgrad::grouped_linear");
+  return handle.call(input, m_splits, weights, biases, weight_main_grads, bias_main_grads, layer_id,
+                     delay_wgrad_compute);
+}
+
 }  // namespace splitgrad::ops

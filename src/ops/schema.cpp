@@ -1,5 +1,6 @@
 // The splitgrad operator schemas, written once. Back ends register kernels in their own files
-// (src/cpu, src/cuda, src/ops/fake_kernels.cpp); autograd lives in src/ops/linear_autograd.cpp.
+// (src/aten, src/cuda, src/ops/fake_kernels.cpp); autograd lives in src/ops/linear_autograd.cpp and
+// src/ops/grouped_linear_autograd.cpp.
 #include <torch/library.h>
 
 TORCH_LIBRARY(splitgrad, m) {
@@ -13,4 +14,20 @@ TORCH_LIBRARY(splitgrad, m) {
   m.def(
       "linear(Tensor input, Tensor weight, Tensor? bias, Tensor? weight_main_grad, "
       "Tensor? bias_main_grad, int layer_id, bool delay_wgrad_compute) -> Tensor");
+  // Grouped (MoE experts): rows [offset_i, offset_i + m_splits[i]) go through group i. The splits
+  // are an int64 tensor, so a router's counts on the device need no host copy to be passed on.
+  m.def(
+      "grouped_linear_fprop(Tensor input, Tensor m_splits, Tensor[] weights, Tensor[] biases) -> "
+      "Tensor");
+  m.def("grouped_linear_dgrad(Tensor grad_output, Tensor m_splits, Tensor[] weights) -> Tensor");
+  m.def(
+      "grouped_linear_wgrad(Tensor grad_output, Tensor input, Tensor m_splits, "
+      "bool compute_bias_grad) -> (Tensor[], Tensor[])");
+  m.def(
+      "grouped_linear_wgrad_accumulate_(Tensor grad_output, Tensor input, Tensor m_splits, "
+      "Tensor(a!)?[] weight_grads, Tensor(b!)?[] bias_grads) -> ()");
+  m.def(
+      "grouped_linear(Tensor input, Tensor m_splits, Tensor[] weights, Tensor[] biases, "
+      "Tensor?[] weight_main_grads, Tensor?[] bias_main_grads, int layer_id, "
+      "bool delay_wgrad_compute) -> Tensor");
 }

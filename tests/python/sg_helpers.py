@@ -105,6 +105,20 @@ class RefLayerNormMLP(nn.Module):
 
 #: splitgrad's modules with deferrable weight gradients.
 SPLITGRAD_MODULES = (splitgrad.Linear, splitgrad.LayerNormLinear, splitgrad.LayerNormMLP)
+class RefGroupedLinear(nn.Module):
+    """splitgrad.GroupedLinear's plain-autograd twin: one F.linear (nn.Linear's op) per expert on
+    its rows, concatenated. Parameters weight0.., bias0.. are set by ``to_reference``."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+
+    def forward(self, x, m_splits, is_first_microbatch=None):  # noqa: D401
+        splits = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
+        rows = x.reshape(-1, self.in_features).split(splits)
+        outs = [torch.nn.functional.linear(r, getattr(self, f"weight{i}"), getattr(self, f"bias{i}", None))
+                for i, r in enumerate(rows)]
+        return torch.cat(outs).reshape(*x.shape[:-1], self.out_features)
 
 
 def _twin_parameter(param: torch.Tensor, dtype: torch.dtype | None) -> nn.Parameter:
@@ -142,6 +156,13 @@ def to_reference(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
             memo[id(module)] = RefLayerNormLinear(module, memo)
         elif isinstance(module, splitgrad.LayerNormMLP):
             memo[id(module)] = RefLayerNormMLP(module, memo)
+        elif isinstance(module, splitgrad.GroupedLinear):
+            ref = RefGroupedLinear(module.num_gemms, module.in_features, module.out_features)
+            for i, weight in enumerate(module.weights):
+                setattr(ref, f"weight{i}", memo[id(weight)])
+            for i, bias in enumerate(module.biases):
+                setattr(ref, f"bias{i}", memo[id(bias)])
+            memo[id(module)] = ref
     reference = copy.deepcopy(model, memo)
     if dtype is not None:
         reference.to(dtype)  # buffers; the parameters are already in dtype

@@ -202,6 +202,45 @@ def case_tied_layers(rank, world, mode):
     reducer.remove()
 
 
+class MoE(nn.Module):
+    """Delayed GroupedLinear experts (routing given per call) and a regular head."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = splitgrad.GroupedLinear(3, D, D, device="cpu", delay_wgrad_compute=True,
+                                               name="experts")
+        self.head = linear(False, "head")
+
+    def forward(self, x, m_splits):
+        return self.head(torch.tanh(self.experts(x, m_splits)))
+
+
+ROUTING = [[2, 0, 2], [0, 4, 0], [1, 1, 2], [4, 0, 0]]  # per rank: experts without rows on some
+
+
+def case_grouped_experts(rank, world, mode):
+    """GradReducer over a GroupedLinear, unchanged: each expert parameter is reduced once, after the
+    layer's backward_dw (also an expert that got no rows on this rank), and equals plain autograd
+    over all ranks' data, each rank routed its own way."""
+    torch.manual_seed(0)
+    model = MoE()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
+    data = rank_batches(0, world)
+    tracker = Tracker(reducer)
+    x, t = data[rank][0]
+    tracker.backward(F.mse_loss(model(x, ROUTING[rank]), t))
+    tracker.backward_dw(model.experts)
+    reducer.finish()
+    expected = {name: "W experts" for name, _ in model.experts.named_parameters(prefix="experts")}
+    expected.update({"head.weight": "B", "head.bias": "B"})
+    assert_each_launched_once(reducer, tracker, expected)
+    loss = sum(F.mse_loss(reference(micro[0][0], ROUTING[r]), micro[0][1]) for r, micro in enumerate(data))
+    (loss / world).backward()
+    assert_reduced_match(model, reference, reducer, world)
+    reducer.remove()
+
+
 class TiedLM(nn.Module):
     """An embedding tied to a delayed output splitgrad.Linear, with a delayed layer between."""
 
@@ -631,6 +670,7 @@ _CASES = {
     "mode_accessors": case_mode_accessors,
     "finish_twice": case_finish_twice,
     "pending_at_finish": case_pending_at_finish,
+    "grouped_experts": case_grouped_experts,
 }
 for _cap, _label in ((TINY, "per_param"), (25, "one_bucket")):
     _CASES[f"w_order_{_label}"] = functools.partial(case_rank_dependent_w_order, cap=_cap)
@@ -663,6 +703,11 @@ def test_tied_delayed_layers_and_regular_layer(results, mode):
     weight's bucket is launched after the second tied layer's backward_dw, each parameter once per
     step; reduce_scatter leaves the local gradient in .grad."""
     check_case(results, f"tied_layers[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_grouped_linear_experts(results, mode):
+    check_case(results, f"grouped_experts[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -369,6 +369,44 @@ def case_refuses_main_grad(rank, world):
         raise AssertionError("fully_shard accepted a fuse_wgrad_accumulation layer")
 
 
+ROUTING = [[2, 0, 2], [0, 4, 0], [1, 1, 2], [4, 0, 0]]  # per rank: experts without rows on some
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.regular = splitgrad.Linear(D, D, device="cpu", name="regular")
+        self.experts = splitgrad.GroupedLinear(3, D, D, device="cpu", delay_wgrad_compute=True,
+                                               name="experts")
+
+    def forward(self, x, m_splits):
+        return self.experts(torch.tanh(self.regular(x)), m_splits)
+
+
+def case_grouped_experts(rank, world):
+    """A unit of delayed GroupedLinear experts (each rank routed its own way) reduce-scatters once,
+    after the experts' backward_dw; a regular unit in the backward. Sharded gradients equal plain
+    autograd over all ranks' data."""
+    torch.manual_seed(0)
+    model = MoE()
+    experts = model.experts
+    reference = to_reference(model)
+
+    def loss(m, x, splits):
+        return m(x, splits).square().mean()
+
+    sgd.fully_shard(experts)
+    sgd.fully_shard(model)
+    xs = [torch.randn(BATCH, D, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    tracker = LogTracker()
+    tracker.do("B", loss(model, xs[rank], ROUTING[rank]).backward)
+    tracker.do("W", experts.backward_dw)
+    assert tracker.during == [("-", "backward", "B"), ("experts", "backward_dw", "W")], tracker.during
+    sgd.finish_fsdp_reductions()
+    (sum(loss(reference, xs[r], ROUTING[r]) for r in range(world)) / world).backward()
+    assert_sharded_grads_match(model, reference, "grouped experts")
+
+
 CASES = {
     "one_step": case_one_step,
     "tied_block": functools.partial(case_one_step, tied_block=True),
@@ -380,6 +418,7 @@ CASES = {
     "dropped_item": case_dropped_item,
     "refuses_main_grad": case_refuses_main_grad,
     "pending_work_checks": case_pending_work_checks,
+    "grouped_experts": case_grouped_experts,
 }
 
 
@@ -423,6 +462,10 @@ def test_dropped_deferred_item_is_reported_and_nothing_partial_is_reduced(result
 
 def test_pending_work_checks_see_the_unsharded_parameters(results):
     check_case(results, "pending_work_checks")
+
+
+def test_grouped_linear_experts(results):
+    check_case(results, "grouped_experts")
 
 
 def test_fuse_wgrad_accumulation_is_refused(results):

@@ -30,6 +30,7 @@ from torch.distributed import pipelining
 
 import splitgrad
 import splitgrad.pipelining
+from sg_helpers import to_reference
 from spawn_helpers import check_case, run_cases, spawn_and_collect
 
 pytestmark = pytest.mark.skipif(
@@ -500,12 +501,48 @@ def case_tied_parameter_checks(rank, world):
 # The worker
 # ------------------------------------------------------------------------------------------------
 
+class MoEBlock(nn.Module):
+    """norm -> delayed GroupedLinear experts (fixed routing: 6 rows a micro-batch, expert 1 gets
+    none) -> tanh, + residual."""
+
+    ROUTE = [4, 0, 2]
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.experts = splitgrad.GroupedLinear(3, D, D, device="cpu", delay_wgrad_compute=True)
+
+    def forward(self, x):
+        return x + torch.tanh(self.experts(self.norm(x), self.ROUTE))
+
+
+def case_grouped_experts(rank, world):
+    """ZB1P over stages of GroupedLinear experts: each W step runs its micro-batch's grouped items
+    (the stage finds GroupedLinear among its delayed layers); gradients equal plain autograd's."""
+    torch.manual_seed(0)
+    pieces = [Embed()] + [MoEBlock() for _ in range(BLOCKS)] + [Head(splitgrad_linear)]
+    reference = to_reference(nn.Sequential(*pieces))
+    ref_params = dict(reference.named_parameters())
+    module = stage_module(pieces, rank, world)[0]
+    stage = splitgrad.pipelining.PipelineStage(module, rank, world, "cpu")
+    assert any(isinstance(layer, splitgrad.GroupedLinear) for layer in stage.delayed_layers)
+    schedule = P.ScheduleInterleavedZeroBubble([stage], n_microbatches=N_MICRO, loss_fn=lm_loss)
+    stage.timeline = splitgrad.pipelining.StageTimeline()
+    pipeline_step(schedule, {rank: module}, 0, world)
+    assert splitgrad.pending_wgrads() == 0, splitgrad.layers_with_pending_wgrads()
+    check_timeline(stage.timeline, [stage], 1)  # one F, B and W per micro-batch, in that order
+    reference_step(reference, *step_data(0))
+    assert_grads_equal_reference({rank: module}, ref_params, "grouped experts")
+    dist.barrier()
+
+
 CASES = {f"schedule[{name}]": functools.partial(run_schedule, name=name) for name in SCHEDULES}
 CASES["schedule[ZB1P-main_grad]"] = functools.partial(run_schedule, name="ZB1P", fused=True)
 CASES["schedule[ZBV-main_grad]"] = functools.partial(run_schedule, name="ZBV", fused=True)
 CASES["leftover_work"] = case_leftover_work
 CASES["second_stage"] = case_second_stage
 CASES["tied_parameter_checks"] = case_tied_parameter_checks
+CASES["grouped_experts"] = case_grouped_experts
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -536,6 +573,10 @@ def test_schedule_matches_plain_autograd(results, schedule):
 
 def test_leftover_deferred_work_is_an_error_and_nothing_is_lost(results):
     check_case(results, "leftover_work")
+
+
+def test_grouped_linear_experts_under_zero_bubble(results):
+    check_case(results, "grouped_experts")
 
 
 def test_second_stage_over_the_same_module(results):

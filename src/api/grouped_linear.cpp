@@ -1,0 +1,192 @@
+#include "splitgrad/grouped_linear.h"
+
+#include <torch/cuda.h>
+#include <torch/nn/init.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/checks.h"
+#include "splitgrad/ops.h"
+
+namespace splitgrad {
+
+GroupedLinearImpl::GroupedLinearImpl(const GroupedLinearOptions& options_) : options(options_) {
+  reset();
+}
+
+void GroupedLinearImpl::reset() {
+  TORCH_CHECK_VALUE(
+      options.num_gemms() > 0 && options.in_features() > 0 && options.out_features() > 0,
+      "splitgrad::GroupedLinear: expected positive num_gemms, in_features and "
+      "out_features, got ",
+      options.num_gemms(), ", ", options.in_features(), " and ", options.out_features());
+  const at::Device device = options.device().value_or(
+      torch::cuda::is_available() ? at::Device(at::kCUDA) : at::Device(at::kCPU));
+  const at::ScalarType dtype =
+      options.params_dtype().value_or(c10::typeMetaToScalarType(at::get_default_dtype()));
+  TORCH_CHECK_TYPE(at::isFloatingType(dtype),
+                   "splitgrad::GroupedLinear: expected a floating-point params_dtype, got ",
+                   detail::dtype_name(dtype));
+  const auto tensor_options = torch::TensorOptions().dtype(dtype).device(device);
+  weights.clear();
+  biases.clear();
+  for (int64_t i = 0; i < options.num_gemms(); ++i) {
+    weights.push_back(register_parameter(
+        c10::str("weight", i),
+        torch::empty({options.out_features(), options.in_features()}, tensor_options)));
+  }
+  if (options.bias()) {
+    for (int64_t i = 0; i < options.num_gemms(); ++i) {
+      biases.push_back(register_parameter(c10::str("bias", i),
+                                          torch::empty({options.out_features()}, tensor_options)));
+    }
+  }
+  layer_ = std::make_shared<LayerHandle>(options.name());
+  if (options.name().empty()) {
+    layer_->set_name(c10::str("GroupedLinear(", options.num_gemms(), ", ", options.in_features(),
+                              ", ", options.out_features(), ")#", layer_->id()));
+  }
+  reset_parameters();
+}
+
+void GroupedLinearImpl::reset_parameters() {
+  // Each expert as nn.Linear: kaiming-uniform weight, uniform bias in ±1/sqrt(fan_in).
+  for (auto& weight : weights) torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+  for (auto& bias : biases) torch::nn::init::uniform_(bias, -bound, bound);
+}
+
+void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "splitgrad::GroupedLinear(num_gemms=" << options.num_gemms()
+         << ", in_features=" << options.in_features() << ", out_features=" << options.out_features()
+         << ", bias=" << std::boolalpha << options.bias()
+         << ", delay_wgrad_compute=" << options.delay_wgrad_compute()
+         << ", fuse_wgrad_accumulation=" << options.fuse_wgrad_accumulation() << ")";
+}
+
+torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
+                                         const torch::Tensor& m_splits) {
+  TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer_->name(),
+                    "': expected an input of shape [*, ", options.in_features(),
+                    "], got an undefined tensor");
+  TORCH_CHECK_VALUE(m_splits.defined(), "splitgrad layer '", layer_->name(),
+                    "': expected m_splits (", options.num_gemms(),
+                    " row counts), got an undefined tensor");
+  c10::List<std::optional<at::Tensor>> weight_main_grads, bias_main_grads;
+  if (options.fuse_wgrad_accumulation()) {
+    // Every trainable weight needs its main_grad; a bias without one gets its gradient in .grad.
+    for (size_t i = 0; i < weights.size(); ++i) {
+      const at::Tensor buffer = weights[i].requires_grad() ? main_grad(weights[i]) : at::Tensor();
+      TORCH_CHECK_VALUE(!weights[i].requires_grad() || buffer.defined(), "splitgrad layer '",
+                        layer_->name(), "': fuse_wgrad_accumulation=true needs weight", i,
+                        "'s main_grad (an fp32 tensor of shape ", weights[i].sizes(),
+                        "); set it with splitgrad::set_main_grad()");
+      weight_main_grads.push_back(buffer.defined() ? std::optional(buffer) : std::nullopt);
+    }
+    for (const auto& bias : biases) {
+      const at::Tensor buffer = bias.requires_grad() ? main_grad(bias) : at::Tensor();
+      bias_main_grads.push_back(buffer.defined() ? std::optional(buffer) : std::nullopt);
+    }
+  }
+  return ops::grouped_linear(input, m_splits, weights, biases, weight_main_grads, bias_main_grads,
+                             layer_->id(), options.delay_wgrad_compute());
+}
+
+void GroupedLinearImpl::backward_dw() {
+  if (options.delay_wgrad_compute()) layer_->backward_dw();
+}
+
+void GroupedLinearImpl::backward_dw(int64_t pass) {
+  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
+}
+
+std::vector<int64_t> GroupedLinearImpl::pending_passes() const { return layer_->pending_passes(); }
+
+int64_t GroupedLinearImpl::pending_wgrads() const { return layer_->pending(); }
+
+void GroupedLinearImpl::check_expert(int64_t expert) const {
+  TORCH_CHECK_INDEX(expert >= 0 && expert < options.num_gemms(), "splitgrad layer '",
+                    layer_->name(), "': expected an expert in [0, ", options.num_gemms(), "), got ",
+                    expert);
+}
+
+void GroupedLinearImpl::tie(const char* what, int64_t expert, std::vector<torch::Tensor>& params,
+                            const torch::Tensor& tied) {
+  check_expert(expert);
+  const std::string who =
+      c10::str("splitgrad layer '", layer_->name(), "': tie_", what, "(", expert, ")");
+  TORCH_CHECK_VALUE(!params.empty(), who, " on a layer built with bias=false");
+  const torch::Tensor& current = params[expert];
+  TORCH_CHECK_VALUE(tied.defined() && tied.sizes() == current.sizes(), who, " expected a ", what,
+                    " of shape ", current.sizes(), ", got ",
+                    tied.defined() ? c10::str(tied.sizes()) : "an undefined tensor");
+  // A deferred gradient goes to the tied tensor's own .grad: a view's would never reach its base.
+  TORCH_CHECK_VALUE(tied.is_leaf(), who,
+                    " expected a parameter (a leaf tensor), got a non-leaf tensor (a view or the "
+                    "result of an op)");
+  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a ", what,
+                   " of dtype ", detail::dtype_name(current.scalar_type()), " (the layer's), got ",
+                   detail::dtype_name(tied.scalar_type()));
+  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
+                    current.device(), " (the layer's device), got ", tied.device());
+  parameters_[c10::str(what, expert)] = tied;
+  params[expert] = tied;
+}
+
+void GroupedLinearImpl::tie_weight(int64_t expert, const torch::Tensor& weight) {
+  tie("weight", expert, weights, weight);
+}
+
+void GroupedLinearImpl::tie_bias(int64_t expert, const torch::Tensor& bias) {
+  tie("bias", expert, biases, bias);
+}
+
+std::vector<torch::Tensor> GroupedLinearImpl::own_parameters() const {
+  std::vector<torch::Tensor> params(weights);
+  params.insert(params.end(), biases.begin(), biases.end());
+  return params;
+}
+
+void GroupedLinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
+  // Each tensor once: experts tied to one another share a parameter, whose hook fires once.
+  std::vector<torch::Tensor> seen;
+  for (const auto& param : own_parameters()) {
+    if (!param.requires_grad()) continue;
+    if (std::any_of(seen.begin(), seen.end(), [&](const auto& p) { return p.is_same(param); }))
+      continue;
+    seen.push_back(param);
+    register_grad_ready_hook(param, hook);
+  }
+}
+
+std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
+    const std::optional<at::Device>& device) const {
+  auto copy = torch::nn::Cloneable<GroupedLinearImpl>::clone(device);
+  auto& layer = static_cast<GroupedLinearImpl&>(*copy);
+  // Cloneable copies parameters by name; the expert lists must follow the copies.
+  for (size_t i = 0; i < layer.weights.size(); ++i) {
+    layer.weights[i] = layer.parameters_[c10::str("weight", i)];
+  }
+  for (size_t i = 0; i < layer.biases.size(); ++i) {
+    layer.biases[i] = layer.parameters_[c10::str("bias", i)];
+  }
+  if (!options.name().empty()) {
+    layer.options.name(c10::str(options.name(), "#", layer.layer_->id()));
+    layer.layer_->set_name(layer.options.name());
+  }
+  return copy;
+}
+
+void GroupedLinearImpl::save(torch::serialize::OutputArchive& archive) const {
+  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"), own_parameters());
+  torch::nn::Cloneable<GroupedLinearImpl>::save(archive);
+}
+
+void GroupedLinearImpl::zero_grad(bool set_to_none) {
+  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
+                       own_parameters());
+  torch::nn::Cloneable<GroupedLinearImpl>::zero_grad(set_to_none);
+}
+
+}  // namespace splitgrad

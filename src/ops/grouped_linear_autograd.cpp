@@ -1,0 +1,292 @@
+// The autograd of splitgrad::grouped_linear (MoE experts), as linear_autograd.cpp does it for one
+// linear map: dgrad at once; every group's weight and bias gradients either at once (returned to
+// autograd, so they accumulate exactly as per-expert nn.Linear's do) or, with delay_wgrad_compute,
+// queued as ONE item of the deferred-wgrad store with a target per group (same store, same ledger,
+// same backward_dw() as splitgrad::linear).
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include "ops/checks.h"
+#include "ops/deferred_internal.h"
+#include "splitgrad/ops.h"
+
+namespace splitgrad::detail {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+using OptTensorList = c10::List<std::optional<at::Tensor>>;
+
+at::Tensor entry(const OptTensorList& list, size_t i) {
+  if (list.empty()) return at::Tensor();
+  const std::optional<at::Tensor> t = list.get(i);
+  return t.has_value() ? *t : at::Tensor();
+}
+
+std::string who_of(core::LayerId layer) {
+  return layer > 0 ? layer_label(layer) : std::string("splitgrad::grouped_linear");
+}
+
+// Tracing placeholders (meta, fake and functional tensors) carry no values to read or stash.
+bool traced(const at::Tensor& t) {
+  return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
+         t.key_set().has(c10::DispatchKey::Python);
+}
+
+// Everything a call can get wrong, checked before anything runs or is queued. The splits' values
+// are checked here when they are on the CPU; on a device, by the back end that reads them.
+void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
+                      const at::Tensor& m_splits, at::TensorList weights, at::TensorList biases,
+                      const OptTensorList& weight_main_grads, const OptTensorList& bias_main_grads,
+                      std::optional<at::ScalarType> compute_dtype) {
+  auto who = [&] { return who_of(layer_id); };
+  check_grouped_linear_args(who, input, m_splits, weights, biases, /*splits_on_cpu_only=*/false,
+                            compute_dtype);
+  if (m_splits.device().is_cpu() && !traced(m_splits)) {
+    split_sizes(who, m_splits, flatten_tokens(input).size(0));
+  }
+  const int64_t groups = static_cast<int64_t>(weights.size());
+  check_group_list_length(who, "weight_main_grads", weight_main_grads, groups);
+  check_group_list_length(who, "bias_main_grads", bias_main_grads, groups);
+  for (int64_t i = 0; i < groups; ++i) {
+    const at::Tensor weight_main_grad = entry(weight_main_grads, i);
+    if (weight_main_grad.defined()) {
+      check_main_grad(who, c10::str("weight", i), weight_main_grad, weights[i]);
+    }
+    const at::Tensor bias_main_grad = entry(bias_main_grads, i);
+    if (bias_main_grad.defined()) {
+      TORCH_CHECK_VALUE(!biases.empty(), who(), ": got bias_main_grads but the layer has no bias");
+      check_main_grad(who, c10::str("bias", i), bias_main_grad, biases[i]);
+    }
+  }
+  TORCH_CHECK_VALUE(!delay || core::WgradStore::instance().is_registered(layer_id), who(),
+                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
+                    "store (layer_id ",
+                    layer_id, " is not)");
+}
+
+// The parameters in the forward's compute dtype: autocast's (set by linear_autocast.cpp for this
+// call), else their own. Cast for the product only, so their gradients keep their dtype.
+std::vector<at::Tensor> in_compute_dtype(at::TensorList params,
+                                         std::optional<at::ScalarType> dtype) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : params) {
+    out.push_back(dtype.has_value() && p.scalar_type() != *dtype ? p.to(*dtype) : p);
+  }
+  return out;
+}
+
+// Per-group views of [tokens, features] rows, for the double-backward path's ATen ops.
+std::vector<at::Tensor> split_rows(const at::Tensor& t, const std::vector<int64_t>& sizes) {
+  std::vector<at::Tensor> out;
+  int64_t offset = 0;
+  for (int64_t size : sizes) {
+    out.push_back(t.narrow(0, offset, size));
+    offset += size;
+  }
+  return out;
+}
+
+class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& m_splits, at::TensorList weights,
+                            at::TensorList biases, const OptTensorList& weight_main_grads,
+                            const OptTensorList& bias_main_grads, int64_t layer_id, bool delay) {
+    const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
+    check_layer_args(layer_id, delay, input, m_splits, weights, biases, weight_main_grads,
+                     bias_main_grads, compute_dtype);
+    std::vector<at::Tensor> saved{input, m_splits};
+    saved.insert(saved.end(), weights.begin(), weights.end());
+    ctx->save_for_backward(saved);
+    // The parameters themselves, for the gradient sinks (saved tensors may come back as copies:
+    // see linear_autograd.cpp).
+    ctx->saved_data["weights"] = weights.vec();
+    ctx->saved_data["biases"] = biases.vec();
+    ctx->saved_data["weight_main_grads"] = weight_main_grads;
+    ctx->saved_data["bias_main_grads"] = bias_main_grads;
+    ctx->saved_data["layer_id"] = layer_id;
+    ctx->saved_data["delay"] = delay;
+    if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return ops::grouped_linear_fprop(input, m_splits, in_compute_dtype(weights, compute_dtype),
+                                     in_compute_dtype(biases, compute_dtype));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const at::Tensor& m_splits = saved[1];
+    std::optional<at::ScalarType> compute_dtype;
+    if (ctx->saved_data.count("compute_dtype"))
+      compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
+    const std::vector<at::Tensor> weight_values =
+        in_compute_dtype(std::vector<at::Tensor>(saved.begin() + 2, saved.end()), compute_dtype);
+    const std::vector<at::Tensor> weights = ctx->saved_data["weights"].toTensorVector();
+    const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
+    const auto weight_main_grads = ctx->saved_data["weight_main_grads"].toOptionalTensorList();
+    const auto bias_main_grads = ctx->saved_data["bias_main_grads"].toOptionalTensorList();
+    const bool delay = ctx->saved_data["delay"].toBool();
+    const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
+    const size_t groups = weights.size();
+    const bool has_bias = !biases.empty();
+    // One gradient per flattened forward argument: input, m_splits, each weight, each bias, then
+    // the four non-tensor arguments.
+    variable_list grads(2 + groups + biases.size() + 4);
+    const size_t weight_slot = 2, bias_slot = 2 + groups;
+    const at::Tensor& grad_output = grad_outputs[0];
+    if (!grad_output.defined()) return grads;
+    std::vector<char> weight_wanted(groups), bias_wanted(groups);
+    bool any_wanted = false, any_bias_wanted = false;
+    for (size_t i = 0; i < groups; ++i) {
+      weight_wanted[i] = ctx->needs_input_grad(weight_slot + i) && weights[i].requires_grad();
+      bias_wanted[i] =
+          has_bias && ctx->needs_input_grad(bias_slot + i) && biases[i].requires_grad();
+      any_wanted |= weight_wanted[i] || bias_wanted[i];
+      any_bias_wanted |= static_cast<bool>(bias_wanted[i]);
+    }
+
+    if (at::GradMode::is_enabled()) {
+      // backward(create_graph=True): differentiable ATen ops per group (the splits are read on
+      // the host: this path is not the hot one).
+      for (size_t i = 0; i < groups; ++i) {
+        TORCH_CHECK(!(weight_wanted[i] && entry(weight_main_grads, i).defined()) &&
+                        !(bias_wanted[i] && entry(bias_main_grads, i).defined()),
+                    who_of(layer),
+                    ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
+                    "(double backward): main_grad is not differentiable. Build the layer with "
+                    "fuse_wgrad_accumulation=False for higher-order gradients.");
+      }
+      const at::Tensor dy = flatten_tokens(grad_output);
+      const at::Tensor x = flatten_tokens(input);
+      const auto sizes = split_sizes([&] { return who_of(layer); }, m_splits.cpu(), x.size(0));
+      const auto dys = split_rows(dy, sizes);
+      const auto xs = split_rows(x, sizes);
+      if (ctx->needs_input_grad(0)) {
+        std::vector<at::Tensor> dxs;
+        for (size_t i = 0; i < groups; ++i) dxs.push_back(at::mm(dys[i], weight_values[i]));
+        grads[0] = at::cat(dxs).view(input.sizes());
+      }
+      for (size_t i = 0; i < groups; ++i) {
+        if (weight_wanted[i]) grads[weight_slot + i] = at::mm(dys[i].t(), xs[i]);
+        if (bias_wanted[i]) grads[bias_slot + i] = dys[i].sum(0);
+      }
+      return grads;
+    }
+    if (ctx->needs_input_grad(0)) {
+      grads[0] = ops::grouped_linear_dgrad(grad_output, m_splits, weight_values);
+    }
+    if (!any_wanted) return grads;
+
+    // As in linear_autograd.cpp: only a gradient this pass adds to a parameter's .grad may be
+    // deferred or fused; the others (a computed weight, autograd.grad) are computed now.
+    std::vector<WgradSinks> sinks(groups);
+    bool any_sink = false, fused = false, any_returned = false;
+    for (size_t i = 0; i < groups; ++i) {
+      const bool weight_sink = weight_wanted[i] && pass_accumulates_into(weights[i]);
+      const bool bias_sink = bias_wanted[i] && pass_accumulates_into(biases[i]);
+      sinks[i] = {weight_sink ? weights[i] : at::Tensor(), bias_sink ? biases[i] : at::Tensor(),
+                  weight_sink ? entry(weight_main_grads, i) : at::Tensor(),
+                  bias_sink ? entry(bias_main_grads, i) : at::Tensor()};
+      any_sink |= weight_sink || bias_sink;
+      fused |= sinks[i].weight_main_grad.defined() || sinks[i].bias_main_grad.defined();
+      any_returned |= (weight_wanted[i] && !weight_sink) || (bias_wanted[i] && !bias_sink);
+    }
+    if (!delay && !fused) {  // the regular path: autograd accumulates, as for nn.Linear
+      auto [weight_grads, bias_grads] =
+          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_wanted);
+      for (size_t i = 0; i < groups; ++i) {
+        if (weight_wanted[i]) grads[weight_slot + i] = weight_grads[i];
+        if (bias_wanted[i]) grads[bias_slot + i] = bias_grads[i];
+      }
+      return grads;
+    }
+    if (any_returned) {
+      auto [weight_grads, bias_grads] =
+          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_wanted);
+      for (size_t i = 0; i < groups; ++i) {
+        if (weight_wanted[i] && !sinks[i].weight.defined())
+          grads[weight_slot + i] = weight_grads[i];
+        if (bias_wanted[i] && !sinks[i].bias.defined()) grads[bias_slot + i] = bias_grads[i];
+      }
+    }
+    if (!any_sink) return grads;
+
+    PassScope pass;
+    auto& ledger = core::GradLedger::instance();
+    if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
+      for (const auto& sink : sinks) {
+        for (const auto& p : {sink.weight, sink.bias}) {
+          if (p.defined()) ledger.note_autograd_contribution(p, pass.id());
+        }
+      }
+      accumulate_grouped_wgrad(grad_output, input, m_splits, sinks);
+      return grads;
+    }
+    core::DeferredWgrad item;
+    item.layer = layer;
+    item.pass = pass.id();
+    for (const auto& sink : sinks) {
+      item.groups.push_back({core::weak_ref(sink.weight), core::weak_ref(sink.bias),
+                             sink.weight_main_grad, sink.bias_main_grad});
+    }
+    if (!core::WgradStore::instance().is_registered(layer)) {
+      // Deleted between its forward and this backward: discarded with a warning, as for Linear.
+      TORCH_WARN(layer_label(layer),
+                 " was deleted before its backward pass: its deferred weight "
+                 "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
+      for (const auto& target : item.targets()) {
+        ledger.expect_deferred(target, pass.id());
+        ledger.deferred_dropped(target, pass.id());
+      }
+      return grads;
+    }
+    TORCH_CHECK(!traced(input) && !traced(grad_output) && !traced(m_splits), layer_label(layer),
+                ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
+                "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. "
+                "splitgrad.GroupedLinear runs delayed layers outside compiled graphs; call the op "
+                "eagerly.");
+    item.input = input;
+    item.grad_output = grad_output;
+    item.m_splits = m_splits;
+    item.input_version = input._version();
+    item.grad_output_version = grad_output._version();
+    item.m_splits_version = m_splits._version();
+    item.stream = current_stream_of(input);
+    for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
+    core::WgradStore::instance().push(std::move(item));
+    return grads;
+  }
+};
+
+at::Tensor grouped_linear_autograd(const at::Tensor& input, const at::Tensor& m_splits,
+                                   at::TensorList weights, at::TensorList biases,
+                                   const OptTensorList& weight_main_grads,
+                                   const OptTensorList& bias_main_grads, int64_t layer_id,
+                                   bool delay_wgrad_compute) {
+  return GroupedLinearFunction::apply(input, m_splits, weights, biases, weight_main_grads,
+                                      bias_main_grads, layer_id, delay_wgrad_compute);
+}
+
+// Below autograd (inference mode, tracing): the forward alone.
+at::Tensor grouped_linear_forward_only(const at::Tensor& input, const at::Tensor& m_splits,
+                                       at::TensorList weights, at::TensorList biases,
+                                       const OptTensorList& weight_main_grads,
+                                       const OptTensorList& bias_main_grads, int64_t layer_id,
+                                       bool delay_wgrad_compute) {
+  const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
+  check_layer_args(layer_id, delay_wgrad_compute, input, m_splits, weights, biases,
+                   weight_main_grads, bias_main_grads, compute_dtype);
+  return ops::grouped_linear_fprop(input, m_splits, in_compute_dtype(weights, compute_dtype),
+                                   in_compute_dtype(biases, compute_dtype));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(splitgrad, Autograd, m) { m.impl("grouped_linear", &grouped_linear_autograd); }
+TORCH_LIBRARY_IMPL(splitgrad, CompositeExplicitAutograd, m) {
+  m.impl("grouped_linear", &grouped_linear_forward_only);
+}
+
+}  // namespace splitgrad::detail

@@ -1,0 +1,186 @@
+// splitgrad::GroupedLinear and the grouped ops against per-expert plain autograd
+// (torch::nn::functional::linear on each expert's rows, with parameters cloned from the layer's).
+// On the CPU every expert runs the GEMMs F::linear runs on the same rows, so float32 results are
+// compared bit for bit.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "splitgrad/splitgrad.h"
+#include "test_helpers.h"
+
+namespace {
+
+namespace F = torch::nn::functional;
+using splitgrad::GroupedLinear;
+using splitgrad::GroupedLinearOptions;
+using splitgrad_test::error_message;
+
+constexpr int64_t kIn = 6, kOut = 5;
+
+GroupedLinearOptions opts(int64_t n) {
+  return GroupedLinearOptions(n, kIn, kOut).device(torch::Device(torch::kCPU));
+}
+
+std::vector<torch::Tensor> clones(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : params) out.push_back(p.detach().clone().requires_grad_());
+  return out;
+}
+
+// Per-expert plain autograd: F::linear on each expert's rows, concatenated.
+torch::Tensor reference(const torch::Tensor& x, const std::vector<int64_t>& splits,
+                        const std::vector<torch::Tensor>& weights,
+                        const std::vector<torch::Tensor>& biases) {
+  std::vector<torch::Tensor> outs;
+  int64_t offset = 0;
+  for (size_t i = 0; i < splits.size(); offset += splits[i], ++i) {
+    outs.push_back(F::linear(x.narrow(0, offset, splits[i]), weights[i],
+                             biases.empty() ? torch::Tensor() : biases[i]));
+  }
+  return torch::cat(outs);
+}
+
+::testing::AssertionResult Bitwise(const torch::Tensor& actual, const torch::Tensor& expected) {
+  if (!actual.defined() || !expected.defined()) {
+    return ::testing::AssertionFailure()
+           << "defined: " << actual.defined() << " vs " << expected.defined();
+  }
+  if (actual.sizes() == expected.sizes() && torch::equal(actual, expected)) {
+    return ::testing::AssertionSuccess();
+  }
+  return ::testing::AssertionFailure()
+         << "not bitwise equal: " << actual.sizes() << " vs " << expected.sizes();
+}
+
+class GroupedLinearTest : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override {
+    torch::manual_seed(0);
+    ASSERT_EQ(splitgrad::pending_wgrads(), 0);
+  }
+  void TearDown() override { EXPECT_EQ(splitgrad::pending_wgrads(), 0); }
+};
+
+TEST_P(GroupedLinearTest, MatchesPerExpertAutogradBitwise) {
+  const bool delay = GetParam();
+  GroupedLinear experts(opts(4).delay_wgrad_compute(delay));
+  const std::vector<int64_t> splits{3, 0, 5, 1};  // expert 1 gets no rows
+  auto w_ref = clones(experts->weights);
+  auto b_ref = clones(experts->biases);
+  torch::Tensor x = torch::randn({9, kIn}).requires_grad_();
+  torch::Tensor x_ref = x.detach().clone().requires_grad_();
+  torch::Tensor y = experts(x, torch::tensor(splits));
+  torch::Tensor y_ref = reference(x_ref, splits, w_ref, b_ref);
+  EXPECT_TRUE(Bitwise(y, y_ref));
+  torch::Tensor g = torch::randn_like(y);
+  y.backward(g);
+  y_ref.backward(g);
+  EXPECT_TRUE(Bitwise(x.grad(), x_ref.grad()));
+  if (delay) {
+    EXPECT_FALSE(experts->weights[0].grad().defined());
+    EXPECT_EQ(experts->pending_wgrads(), 1) << "one item for all the experts";
+    experts->backward_dw();
+  }
+  for (size_t i = 0; i < splits.size(); ++i) {
+    EXPECT_TRUE(Bitwise(experts->weights[i].grad(), w_ref[i].grad())) << "weight" << i;
+    EXPECT_TRUE(Bitwise(experts->biases[i].grad(), b_ref[i].grad())) << "bias" << i;
+  }
+  EXPECT_EQ(torch::count_nonzero(experts->weights[1].grad()).item<int64_t>(), 0);
+}
+
+TEST_P(GroupedLinearTest, TiedExpertsAndHooks) {
+  const bool delay = GetParam();
+  GroupedLinear experts(opts(3).bias(false).delay_wgrad_compute(delay));
+  experts->tie_weight(2, experts->weights[0]);
+  auto w_ref = clones({experts->weights[0], experts->weights[1]});
+  const std::vector<int64_t> splits{2, 3, 4};
+  torch::Tensor x = torch::randn({9, kIn});
+  torch::Tensor g = torch::randn({9, kOut});
+  int fired = 0;
+  experts->register_wgrad_accumulation_and_reduce_hooks([&](const torch::Tensor&) { ++fired; });
+  experts(x, torch::tensor(splits)).backward(g);
+  reference(x, splits, {w_ref[0], w_ref[1], w_ref[0]}, {}).backward(g);
+  if (delay) {
+    EXPECT_EQ(fired, 0) << "hooks wait for the deferred work";
+    experts->backward_dw();
+  }
+  EXPECT_EQ(fired, 2) << "once per distinct parameter (weight0 is shared with expert 2)";
+  // Two contributions to the shared weight, no earlier .grad: the order of the sum is immaterial.
+  EXPECT_TRUE(Bitwise(experts->weights[0].grad(), w_ref[0].grad()));
+  EXPECT_TRUE(Bitwise(experts->weights[1].grad(), w_ref[1].grad()));
+}
+
+TEST_P(GroupedLinearTest, FusedMainGrad) {
+  const bool delay = GetParam();
+  GroupedLinear experts(opts(3).delay_wgrad_compute(delay).fuse_wgrad_accumulation(true));
+  auto w_ref = clones(experts->weights);
+  std::vector<torch::Tensor> main_grads;
+  for (size_t i = 0; i < experts->weights.size(); ++i) {
+    main_grads.push_back(torch::randn({kOut, kIn}));
+    w_ref[i].mutable_grad() = main_grads.back().clone();
+    splitgrad::set_main_grad(experts->weights[i], main_grads.back());
+  }
+  const std::vector<int64_t> splits{0, 6, 1};
+  torch::Tensor x = torch::randn({7, kIn});
+  torch::Tensor g = torch::randn({7, kOut});
+  experts(x, torch::tensor(splits)).backward(g);
+  reference(x, splits, w_ref, clones(experts->biases)).backward(g);
+  experts->backward_dw();
+  for (size_t i = 0; i < main_grads.size(); ++i) {
+    EXPECT_FALSE(experts->weights[i].grad().defined());
+    EXPECT_TRUE(Bitwise(main_grads[i], w_ref[i].grad())) << "weight" << i;
+    EXPECT_TRUE(experts->biases[i].grad().defined()) << "a bias without main_grad gets .grad";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, GroupedLinearTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "Delayed" : "Regular");
+                         });
+
+TEST(GroupedLinearErrors, BadSplitsNameTheLayerAndQueueNothing) {
+  GroupedLinear experts(opts(3).delay_wgrad_compute(true).name("moe.experts"));
+  torch::Tensor x = torch::randn({5, kIn}, torch::requires_grad());
+  std::string message = error_message([&] { experts(x, torch::tensor({2, 2, 2})); });
+  EXPECT_CONTAINS(message, "splitgrad layer 'moe.experts'");
+  EXPECT_CONTAINS(message,
+                  "expected m_splits to sum to the input's 5 rows (tokens), got a sum of 6");
+  message = error_message([&] { experts(x, torch::tensor({6, -1, 0})); });
+  EXPECT_CONTAINS(message, "expected non-negative m_splits, got m_splits[1] = -1");
+  message = error_message([&] { experts(x, torch::tensor({5, 0})); });
+  EXPECT_CONTAINS(message, "expected 3 splits (one per group) in a 1-D m_splits, got shape [2]");
+  message = error_message([&] { experts(x, torch::tensor({5, 0, 0}, torch::kInt)); });
+  EXPECT_CONTAINS(message, "expected m_splits of dtype torch.int64 (row counts), got torch.int32");
+  message = error_message([&] { experts(x.to(torch::kDouble), torch::tensor({5, 0, 0})); });
+  EXPECT_CONTAINS(message, "expected input of dtype torch.float32");
+  message = error_message([&] { experts->tie_weight(3, experts->weights[0]); });
+  EXPECT_CONTAINS(message, "expected an expert in [0, 3), got 3");
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  message = error_message([&] { experts->backward_dw(); });
+  EXPECT_CONTAINS(message, "'moe.experts': backward_dw() was called but no backward pass");
+}
+
+TEST(GroupedLinearErrors, FusedWithoutMainGrad) {
+  GroupedLinear experts(opts(2).fuse_wgrad_accumulation(true).name("fused"));
+  splitgrad::set_main_grad(experts->weights[0], torch::zeros({kOut, kIn}));
+  const std::string message = error_message([&] {
+    experts(torch::randn({2, kIn}), torch::tensor({1, 1}));
+  });
+  EXPECT_CONTAINS(message, "'fused': fuse_wgrad_accumulation=true needs weight1's main_grad");
+}
+
+TEST(GroupedOps, WgradAccumulateAddsPerGroup) {
+  torch::Tensor x = torch::randn({5, kIn});
+  torch::Tensor dy = torch::randn({5, kOut});
+  torch::Tensor target = torch::randn({kOut, kIn});
+  torch::Tensor start = target.clone();
+  c10::List<std::optional<at::Tensor>> weight_grads({std::nullopt, target});
+  splitgrad::ops::grouped_linear_wgrad_accumulate_(dy, x, torch::tensor({2, 3}), weight_grads,
+                                                   c10::List<std::optional<at::Tensor>>());
+  EXPECT_TRUE(Bitwise(target, start + torch::mm(dy.narrow(0, 2, 3).t(), x.narrow(0, 2, 3))));
+}
+
+}  // namespace
