@@ -14,7 +14,7 @@ from torch import nn
 from . import _C
 from ._deferred import check_no_pending, register_grad_ready_hook
 from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarning
-from ._linear import _TE_DEFAULTS, _default_device, _exporting, _takes_an_argument
+from ._linear import _TE_DEFAULTS, _default_device, _drop_te_extra_state, _exporting, _takes_an_argument
 
 __all__ = ["GroupedLinear"]
 
@@ -271,6 +271,10 @@ class GroupedLinear(nn.Module):
         self._reduce_hook_handles = []
         if self._reduce_hooks:
             self._install_reduce_hooks()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _drop_te_extra_state(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @staticmethod
     def _state_dict_pre_hook(module, prefix, keep_vars):

@@ -110,6 +110,12 @@ def _factory(device, params_dtype) -> dict:
     }
 
 
+def _drop_te_extra_state(state_dict: dict, prefix: str) -> None:
+    """A Transformer Engine module's state_dict has an ``_extra_state`` entry (its FP8 metadata,
+    empty without FP8): splitgrad keeps none, so a TE checkpoint loads strictly without it."""
+    state_dict.pop(prefix + "_extra_state", None)
+
+
 class _DeferredWgradModule(nn.Module):
     """What splitgrad's modules share: one registration with the deferred-wgrad store (every GEMM of
     the module queues under its id, so one backward_dw() runs one backward pass's work of all of
@@ -276,6 +282,10 @@ class _DeferredWgradModule(nn.Module):
         self._reduce_hook_handles = []
         if self._reduce_hooks:
             self._install_reduce_hooks()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        _drop_te_extra_state(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @staticmethod
     def _state_dict_pre_hook(module, prefix, keep_vars):

@@ -63,9 +63,17 @@ def _capturing() -> bool:
 
 def _gradient_source(param: torch.Tensor) -> torch.Tensor | None:
     """Where ``param``'s gradient lives: ``main_grad`` (fuse_wgrad_accumulation / Megatron) if the
-    parameter has one, else ``.grad``."""
+    parameter has one, else ``.grad``. A ``.grad`` beside a ``main_grad`` (what autograd gave a
+    parameter no fused GEMM writes: a norm's weight, an ordinary op's use of a tied weight) is
+    added into ``main_grad`` and cleared first, as Megatron's gradient hook does."""
     main_grad = getattr(param, "main_grad", None)
-    return main_grad if main_grad is not None else param.grad
+    if main_grad is None:
+        return param.grad
+    if param.grad is not None:
+        with torch.no_grad():
+            main_grad.add_(param.grad)
+        param.grad = None
+    return main_grad
 
 
 class _Bucket:
@@ -124,7 +132,9 @@ class GradReducer:
             (the default) such a parameter is an error (see below).
 
     The gradient of a parameter is its ``main_grad`` if it has that attribute (set it before
-    building the reducer, so the bucket gets its dtype), else its ``.grad``.
+    building the reducer, so the bucket gets its dtype), else its ``.grad``. A ``.grad`` that a
+    parameter with a ``main_grad`` also holds (a norm's weight in a fused LayerNormLinear, a use
+    outside splitgrad's GEMMs) is added into the ``main_grad`` and cleared, as Megatron does.
 
     One step::
 

@@ -310,3 +310,20 @@ def test_a_layers_backward_dw_waits_for_its_work_in_another_thread_without_holdi
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: splitgrad.Linear(4, 3, device="cpu"),
+    lambda: splitgrad.LayerNormMLP(4, 8, device="cpu"),
+    lambda: splitgrad.GroupedLinear(2, 4, 3, device="cpu"),
+], ids=["Linear", "LayerNormMLP", "GroupedLinear"])
+def test_a_te_checkpoint_with_extra_state_loads_strictly(make):
+    # TE modules save an `_extra_state` entry (FP8 metadata; an empty tensor without FP8).
+    source, target = make(), make()
+    te_state = {f"block.{k}": v for k, v in source.state_dict().items()}
+    te_state["block._extra_state"] = torch.empty(0)
+    model = torch.nn.Sequential()
+    model.add_module("block", target)
+    model.load_state_dict(te_state, strict=True)
+    for (name, p), q in zip(target.named_parameters(), source.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)

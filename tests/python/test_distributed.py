@@ -825,3 +825,37 @@ def test_a_reducer_dropped_without_remove_stops_and_is_freed():
             torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["all_reduce", "reduce_scatter"])
+def test_main_grad_on_every_parameter_gets_the_norms_gradients_too(tmp_path, mode):
+    """Megatron's setup: main_grad on every parameter, fused modules. A fused LayerNormLinear /
+    LayerNormMLP writes its norm's gradient to .grad (as TE does); the reducer adds it into
+    main_grad before reducing, as Megatron's gradient hook does, so no gradient is lost."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            splitgrad.LayerNormLinear(8, 8, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=True),
+            splitgrad.LayerNormMLP(8, 16, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=True))
+        reference = copy.deepcopy(model)
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            p.grad_added_to_main_grad = False
+        reducer = splitgrad.distributed.GradReducer(model, mode=mode)
+        x = torch.randn(5, 8)
+        model(x).pow(2).sum().backward()
+        for layer in model:
+            layer.backward_dw()
+        reducer.finish()
+        for layer in reference:
+            layer.fuse_wgrad_accumulation = False
+        reference(x).pow(2).sum().backward()
+        for layer in reference:
+            layer.backward_dw()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            got = p.main_grad if mode == "all_reduce" else reducer.sharded_grad(p)
+            torch.testing.assert_close(got.reshape(q.shape), q.grad, msg=name)
+            assert p.grad is None, name
+    finally:
+        dist.destroy_process_group()
