@@ -13,6 +13,10 @@ fp32 ``main_grad`` (Megatron's mixed precision). The variants, built with the sa
   Megatron does) and dropped.
 - **Linear-built**: the same norm, ``splitgrad.Linear(delay_wgrad_compute=True,
   fuse_wgrad_accumulation=True)`` for each GEMM, the activation; the norm's ``.grad`` by the hook.
+- **immediate**: the splitgrad module with ``delay_wgrad_compute=False`` (wgrad inside the backward,
+  fused): what deferring costs in memory is the difference to **splitgrad** (a deferred wgrad holds
+  each GEMM's input and grad-output until ``backward_dw()``, where the immediate one frees them
+  during the backward).
 
 Time: the median device time of a step with CUDA events, the variants in interleaved rounds
 (benchmarks/common.py: time_side_by_side). Memory: ``torch.cuda.max_memory_allocated`` during a step
@@ -43,7 +47,7 @@ from common import device_description, peak_memory_bytes, print_table, time_side
 
 import splitgrad  # noqa: E402
 
-VARIANTS = ("splitgrad", "plain", "Linear-built")
+VARIANTS = ("splitgrad", "plain", "Linear-built", "immediate")
 
 
 @dataclass
@@ -120,19 +124,25 @@ class NormGemms(nn.Module):
 class Variant:
     module: nn.Module
     delayed: list = field(default_factory=list)  # modules whose backward_dw() runs, in this order
+    fused: list = field(default_factory=list)  # splitgrad modules whose GEMMs add into main_grad
 
 
 def build_variants(case: Case, device: torch.device, dtype: torch.dtype) -> dict[str, Variant]:
-    """The three variants of ``case`` with the same weights (the splitgrad module's), every
-    parameter with an fp32 ``main_grad``."""
+    """The variants of ``case`` with the same weights (the splitgrad module's), every parameter with
+    an fp32 ``main_grad``."""
     fused = dict(params_dtype=dtype, device=device, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+
+    def module(**kw):
+        if case.module == "mlp":
+            return splitgrad.LayerNormMLP(case.hidden, case.out, normalization=case.normalization,
+                                          activation=case.activation, **{**fused, **kw})
+        return splitgrad.LayerNormLinear(case.hidden, case.out, normalization=case.normalization, **{**fused, **kw})
+
+    ours = module()
     if case.module == "mlp":
-        ours = splitgrad.LayerNormMLP(case.hidden, case.out, normalization=case.normalization,
-                                      activation=case.activation, **fused)
         fc1_out = ours.fc1_weight.shape[0]
         gemms = [("fc1_weight", "fc1_bias", case.hidden, fc1_out), ("fc2_weight", "fc2_bias", case.out, case.hidden)]
     else:
-        ours = splitgrad.LayerNormLinear(case.hidden, case.out, normalization=case.normalization, **fused)
         gemms = [("weight", "bias", case.hidden, case.out)]
 
     def norm():
@@ -157,13 +167,19 @@ def build_variants(case: Case, device: torch.device, dtype: torch.dtype) -> dict
 
     plain = pieces(lambda i, o: nn.Linear(i, o, device=device, dtype=dtype))
     built = pieces(lambda i, o: splitgrad.Linear(i, o, **fused))
+    built_gemms = [m for m in (built.fc2, built.fc1) if m is not None]
+    immediate = module(delay_wgrad_compute=False)
+    with torch.no_grad():
+        for a, b in zip(immediate.parameters(), ours.parameters(), strict=True):
+            a.copy_(b)
     variants = {
-        "splitgrad": Variant(ours, [ours]),
+        "splitgrad": Variant(ours, [ours], [ours]),
         "plain": Variant(plain),
-        "Linear-built": Variant(built, [m for m in (built.fc2, built.fc1) if m is not None]),
+        "Linear-built": Variant(built, built_gemms, built_gemms),
+        "immediate": Variant(immediate, [], [immediate]),
     }
     for variant in variants.values():
-        gemm_fused = {id(p) for m in variant.delayed for n, p in m.named_parameters(recurse=False)
+        gemm_fused = {id(p) for m in variant.fused for n, p in m.named_parameters(recurse=False)
                       if not n.startswith("layer_norm_")}
         for p in variant.module.parameters():
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)

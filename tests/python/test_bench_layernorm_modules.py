@@ -1,5 +1,5 @@
-"""benchmarks/bench_layernorm_modules.py at its tiny size on the CPU: every block runs in all three
-variants, their gradients agree, and the table and JSON say so."""
+"""benchmarks/bench_layernorm_modules.py at its tiny size on the CPU: every block runs in every
+variant, their gradients agree, and the table and JSON say so."""
 
 from __future__ import annotations
 
