@@ -279,7 +279,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test, e.g. on the CPU)")
     parser.add_argument("--cases", default=None,
                         help="comma-separated case names to run (default: all of the chosen size)")
-    parser.add_argument("--min-ms", type=float, default=400.0, help="device time per variant to time, at least")
+    parser.add_argument("--min-ms", type=float, default=1500.0,
+                        help="device time per variant to time, at least (more rounds: steadier medians)")
     parser.add_argument("--out", default=None, help="folder for bench_layernorm_modules.json")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
