@@ -146,8 +146,8 @@ def build_variants(case: Case, device: torch.device, dtype: torch.dtype) -> dict
         gemms = [("weight", "bias", case.hidden, case.out)]
 
     def norm():
-        layer = (nn.LayerNorm(case.hidden, eps=ours.eps, device=device, dtype=dtype) if case.normalization == "LayerNorm"
-                 else nn.RMSNorm(case.hidden, eps=ours.eps, device=device, dtype=dtype))
+        cls = nn.LayerNorm if case.normalization == "LayerNorm" else nn.RMSNorm
+        layer = cls(case.hidden, eps=ours.eps, device=device, dtype=dtype)
         with torch.no_grad():
             layer.weight.copy_(ours.layer_norm_weight)
             if ours.layer_norm_bias is not None:

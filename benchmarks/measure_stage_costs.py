@@ -4,11 +4,12 @@ weight gradients) time of one micro-batch, the bytes the stage sends per micro-b
 memory; and each rank's peak memory under each schedule, replayed.
 
 Every stage runs in this one process on one device. The model is examples/demo.py's (``--model``:
-the same pieces: delayed ``splitgrad.LayerNormLinear`` / ``Linear`` / ``LayerNormMLP`` modules,
-bf16 with fused fp32 ``main_grad`` on CUDA), cut into S stages as the main job cuts it (``tinygpt.stage_pieces``), for every S the
-predictions need (each rank count times 1 and 2 stages per rank). A stage gets random inputs of the
-shape it receives (token ids on the first; an activation that requires grad on the others, as a
-received one does); the last stage's F includes the loss.
+the same pieces: delayed ``splitgrad.LayerNormLinear`` / ``Linear`` / ``LayerNormMLP`` modules, bf16
+with fused fp32 ``main_grad`` on CUDA), cut into S stages as the main job cuts it
+(``tinygpt.stage_pieces``), for every S the predictions need (each rank count times 1 and 2 stages
+per rank). A stage gets random inputs of the shape it receives (token ids on the first; an
+activation that requires grad on the others, as a received one does); the last stage's F includes
+the loss.
 
 - **Time** (``--repeats`` after ``--warmup``, the median): F, B, W of one micro-batch in turn, with
   CUDA events at the boundaries, so each is the device time of the action as eager PyTorch issues

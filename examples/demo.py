@@ -7,9 +7,9 @@ splitgrad.LayerNormLinear (the first norm fused in), its attention output projec
 splitgrad.Linear, its MLP a splitgrad.LayerNormMLP (the second norm fused in, TE's "gelu"); the
 output layer is a splitgrad.Linear. All are built with delay_wgrad_compute=True, so a schedule's B
 step computes only input gradients (and the norms' gradients) and its W step runs the deferred
-weight gradients (splitgrad.pipelining.PipelineStage). The token embedding on the first stage is tied to the output
-layer on the last: each holds a copy, and the copies' gradients are summed after the W steps
-(splitgrad.pipelining.TiedParameter).
+weight gradients (splitgrad.pipelining.PipelineStage). The token embedding on the first stage is
+tied to the output layer on the last: each holds a copy, and the copies' gradients are summed after
+the W steps (splitgrad.pipelining.TiedParameter).
 
 At the end the job prints and checks that the parameters equal those of a single-process
 plain-autograd run of the same model in plain PyTorch modules (nn.LayerNorm, nn.Linear, the
@@ -26,8 +26,8 @@ seconds, the GPU sizes default to CUDA and bfloat16, one GPU per pipeline rank. 
 float16 the training is Megatron's mixed precision: every parameter accumulates its gradient in an
 fp32 ``main_grad`` (the GEMMs' weights and biases of splitgrad modules built with
 fuse_wgrad_accumulation=True inside their W step's GEMM; the norms' parameters, as in TE, through
-``.grad``) and the optimizer updates fp32 master copies. To measure every stage of a GPU-sized model on
-one GPU, in one process: benchmarks/measure_stage_costs.py.
+``.grad``) and the optimizer updates fp32 master copies. To measure every stage of a GPU-sized model
+on one GPU, in one process: benchmarks/measure_stage_costs.py.
 """
 
 from __future__ import annotations
