@@ -4,11 +4,12 @@ weight gradients) time of one micro-batch, the bytes the stage sends per micro-b
 memory; and each rank's peak memory under each schedule, replayed.
 
 Every stage runs in this one process on one device. The model is examples/demo.py's (``--model``:
-the same pieces, delayed ``splitgrad.Linear`` projections, bf16 with fused fp32 ``main_grad`` on
-CUDA), cut into S stages as the main job cuts it (``tinygpt.stage_pieces``), for every S the
-predictions need (each rank count times 1 and 2 stages per rank). A stage gets random inputs of the
-shape it receives (token ids on the first; an activation that requires grad on the others, as a
-received one does); the last stage's F includes the loss.
+the same pieces: delayed ``splitgrad.LayerNormLinear`` / ``Linear`` / ``LayerNormMLP`` modules, bf16
+with fused fp32 ``main_grad`` on CUDA), cut into S stages as the main job cuts it
+(``tinygpt.stage_pieces``), for every S the predictions need (each rank count times 1 and 2 stages
+per rank). A stage gets random inputs of the shape it receives (token ids on the first; an
+activation that requires grad on the others, as a received one does); the last stage's F includes
+the loss.
 
 - **Time** (``--repeats`` after ``--warmup``, the median): F, B, W of one micro-batch in turn, with
   CUDA events at the boundaries, so each is the device time of the action as eager PyTorch issues
@@ -100,7 +101,8 @@ class Stage:
     def __init__(self, module, index: int, num_stages: int, make_input, loss_fn=None) -> None:
         self.module, self.index, self.num_stages = module, index, num_stages
         self.make_input, self.loss_fn = make_input, loss_fn
-        self.layers = [m for m in module.modules() if isinstance(m, splitgrad.Linear) and m.delay_wgrad_compute]
+        self.layers = [m for m in module.modules()
+                       if isinstance(m, demo.SPLITGRAD_MODULES) and m.delay_wgrad_compute]
         self.queue: list[int] = []  # micro-batches whose B ran and whose W has not, oldest first
 
     @property
@@ -147,7 +149,7 @@ def build_model(name: str, device: torch.device, dtype_name: str | None):
     tokenizer, _ = tinygpt.load_corpus()
     cfg.vocab = demo.resolve_model(cfg, tokenizer.vocab_size)
     dtype = getattr(torch, cfg.dtype)
-    pieces = tinygpt.build_pieces(demo.fused_linear_factory(device, dtype), vocab=cfg.vocab, dim=cfg.dim,
+    pieces = tinygpt.build_pieces(demo.delayed_layers(device, dtype), vocab=cfg.vocab, dim=cfg.dim,
                                   heads=cfg.heads, layers=cfg.layers, context=cfg.context, seed=0, device=device,
                                   dtype=dtype)
     splitgrad.name_layers(torch.nn.Sequential(*pieces))

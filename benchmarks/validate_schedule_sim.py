@@ -33,11 +33,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import splitgrad
 import splitgrad.pipelining as sgp
 from splitgrad import schedule_sim as sim
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import demo  # noqa: E402  (examples/demo.py: the main job's delayed splitgrad modules)
 import tinygpt  # noqa: E402  (examples/tinygpt.py)
 
 V_SCHEDULES = ("zbv", "dualpipev")
@@ -49,10 +49,7 @@ def run_schedule(rank, world, name, args, data, vocab):
     num_stages = world * per_rank
     mine = sgp.stages_of_rank(rank, world, per_rank, "v" if name in V_SCHEDULES else "loop")
 
-    def delayed_linear(i, o, bias=True):
-        return splitgrad.Linear(i, o, bias, delay_wgrad_compute=True)
-
-    pieces = tinygpt.build_pieces(delayed_linear, vocab=vocab, dim=args.dim, heads=args.heads,
+    pieces = tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.float32), vocab=vocab, dim=args.dim, heads=args.heads,
                                   layers=args.layers, context=args.context, seed=0)
     modules = {s: tinygpt.stage_module(pieces, s, num_stages) for s in mine}
     stages = [sgp.PipelineStage(modules[s], s, num_stages, "cpu") for s in mine]

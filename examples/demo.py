@@ -1,15 +1,19 @@
 """splitgrad's main job: zero-bubble pipeline training of a small GPT-style language model on
 torch.distributed.pipelining, checked against plain autograd.
 
-One process per pipeline stage (gloo on the CPU by default, NCCL with --device cuda). The model's
-projections are splitgrad.Linear layers with delay_wgrad_compute=True, so a schedule's B step
-computes only input gradients and its W step runs the deferred weight gradients
-(splitgrad.pipelining.PipelineStage). The token embedding on the first stage is tied to the output
-layer on the last: each holds a copy, and the copies' gradients are summed after the W steps
-(splitgrad.pipelining.TiedParameter).
+One process per pipeline stage (gloo on the CPU by default, NCCL with --device cuda). The model is
+built as a Transformer Engine user's GPT is: each block's QKV projection is a
+splitgrad.LayerNormLinear (the first norm fused in), its attention output projection a
+splitgrad.Linear, its MLP a splitgrad.LayerNormMLP (the second norm fused in, TE's "gelu"); the
+output layer is a splitgrad.Linear. All are built with delay_wgrad_compute=True, so a schedule's B
+step computes only input gradients (and the norms' gradients) and its W step runs the deferred
+weight gradients (splitgrad.pipelining.PipelineStage). The token embedding on the first stage is
+tied to the output layer on the last: each holds a copy, and the copies' gradients are summed after
+the W steps (splitgrad.pipelining.TiedParameter).
 
 At the end the job prints and checks that the parameters equal those of a single-process
-plain-autograd run of the same model on the same data, measures each rank's F / B / W intervals,
+plain-autograd run of the same model in plain PyTorch modules (nn.LayerNorm, nn.Linear, the
+activation; tinygpt.plain_layers) on the same data, measures each rank's F / B / W intervals,
 prints the bubble fraction of the chosen schedule next to 1F1B's (or --compare's), and writes a
 timeline PNG and a loss-curve PNG.
 
@@ -20,9 +24,10 @@ timeline PNG and a loss-curve PNG.
 --model picks the model's shape (MODELS below); tiny (the default) runs in float32 on the CPU in
 seconds, the GPU sizes default to CUDA and bfloat16, one GPU per pipeline rank. In bfloat16 or
 float16 the training is Megatron's mixed precision: every parameter accumulates its gradient in an
-fp32 ``main_grad`` (splitgrad layers built with fuse_wgrad_accumulation=True inside their W step's
-GEMM) and the optimizer updates fp32 master copies. To measure every stage of a GPU-sized model on
-one GPU, in one process: benchmarks/measure_stage_costs.py.
+fp32 ``main_grad`` (the GEMMs' weights and biases of splitgrad modules built with
+fuse_wgrad_accumulation=True inside their W step's GEMM; the norms' parameters, as in TE, through
+``.grad``) and the optimizer updates fp32 master copies. To measure every stage of a GPU-sized model
+on one GPU, in one process: benchmarks/measure_stage_costs.py.
 """
 
 from __future__ import annotations
@@ -91,26 +96,39 @@ def resolve_model(args, corpus_vocab: int) -> int:
     return max(preset["vocab"] or 0, corpus_vocab)
 
 
-def fused_linear_factory(device, dtype):
-    """The main job's projections: delayed splitgrad layers; below float32 they add their weight
-    gradients in fp32 into ``main_grad`` (fuse_wgrad_accumulation), which MainGradTrainer sets."""
-    fused = dtype != torch.float32
+def delayed_layers(device, dtype) -> tinygpt.Layers:
+    """The main job's layers: delayed splitgrad modules (LayerNormLinear, Linear, LayerNormMLP);
+    below float32 their GEMMs add the weight and bias gradients in fp32 into ``main_grad``
+    (fuse_wgrad_accumulation), which attach_main_grads sets."""
+    kw = dict(params_dtype=dtype, device=device, delay_wgrad_compute=True,
+              fuse_wgrad_accumulation=dtype != torch.float32)
+    return tinygpt.Layers(
+        linear=lambda i, o, bias=True: splitgrad.Linear(i, o, bias, **kw),
+        layernorm_linear=lambda i, o: splitgrad.LayerNormLinear(i, o, **kw),
+        layernorm_mlp=lambda h, f: splitgrad.LayerNormMLP(h, f, activation=tinygpt.ACTIVATION, **kw),
+    )
 
-    def delayed_linear(i, o, bias=True):
-        return splitgrad.Linear(i, o, bias, params_dtype=dtype, device=device, delay_wgrad_compute=True,
-                                fuse_wgrad_accumulation=fused)
 
-    return delayed_linear
+#: splitgrad's modules; with fuse_wgrad_accumulation, the GEMMs' parameters (all but the norm's,
+#: ``layer_norm_*``) get their gradients added to main_grad by the module itself.
+SPLITGRAD_MODULES = (splitgrad.Linear, splitgrad.LayerNormLinear, splitgrad.LayerNormMLP)
+
+
+def fused_parameters(module: nn.Module) -> set[int]:
+    """The ids of the parameters whose gradients ``module``'s splitgrad modules add to main_grad."""
+    return {id(p) for layer in module.modules()
+            if isinstance(layer, SPLITGRAD_MODULES) and layer.fuse_wgrad_accumulation
+            for name, p in layer.named_parameters(recurse=False) if not name.startswith("layer_norm_")}
 
 
 def attach_main_grads(modules) -> list[nn.Parameter]:
-    """Gives every parameter of ``modules`` (each once) an fp32 ``main_grad``. splitgrad layers with
-    fuse_wgrad_accumulation=True add their gradients to it themselves; every other parameter's
-    ``.grad`` is added to it by a post-accumulate-grad hook and dropped, so all gradients accumulate
-    over the micro-batches in fp32 (Megatron's contract). Returns the parameters."""
-    fused = {id(p) for m in modules for layer in m.modules()
-             if isinstance(layer, splitgrad.Linear) and layer.fuse_wgrad_accumulation
-             for p in layer.parameters(recurse=False)}
+    """Gives every parameter of ``modules`` (each once) an fp32 ``main_grad``. The GEMMs of
+    splitgrad modules with fuse_wgrad_accumulation=True add their gradients to it themselves; every
+    other parameter's ``.grad`` (embeddings, the norms: also a LayerNormLinear's or LayerNormMLP's
+    ``layer_norm_weight``, as in TE) is added to it by a post-accumulate-grad hook and dropped, so
+    all gradients accumulate over the micro-batches in fp32 (Megatron's contract). Returns the
+    parameters."""
+    fused = set().union(*(fused_parameters(m) for m in modules))
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
 
     def fold(param):
@@ -206,7 +224,7 @@ def train_pipeline(rank: int, world: int, name: str, steps: int, args, data, voc
     stages_of = lambda r: sgp.stages_of_rank(r, world, per_rank, style)  # noqa: E731
     mine = stages_of(rank)
 
-    pieces = tinygpt.build_pieces(fused_linear_factory(device, dtype), **model_shape(args, vocab), device=device,
+    pieces = tinygpt.build_pieces(delayed_layers(device, dtype), **model_shape(args, vocab), device=device,
                                   dtype=dtype)
     modules = {s: tinygpt.stage_module(pieces, s, num_stages) for s in mine}
     for s, module in modules.items():
@@ -289,12 +307,11 @@ def worker(rank: int, world: int, args, out_dir: str) -> None:
 
 
 def reference_run(args, data, vocab, device, dtype):
-    """The same model in plain autograd in one process, on the same micro-batches, same optimizer."""
-
-    def plain_linear(i, o, bias=True):
-        return nn.Linear(i, o, bias, device=device, dtype=dtype)
-
-    pieces = tinygpt.build_pieces(plain_linear, **model_shape(args, vocab), device=device, dtype=dtype)
+    """The same model in plain PyTorch modules (nn.LayerNorm, nn.Linear, the activation) and plain
+    autograd in one process, on the same micro-batches, same optimizer. Returns its parameters under
+    TE's names (tinygpt.te_named_parameters) and its losses."""
+    pieces = tinygpt.build_pieces(tinygpt.plain_layers(device, dtype), **model_shape(args, vocab), device=device,
+                                  dtype=dtype)
     tinygpt.tie(pieces)
     model = nn.Sequential(*pieces)
     optimizer = make_trainer([model], args.lr, dtype)
@@ -311,7 +328,7 @@ def reference_run(args, data, vocab, device, dtype):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return dict(model.named_parameters(remove_duplicate=False)), losses
+    return tinygpt.te_named_parameters(model), losses
 
 
 def schedule_stats(per_rank_runs, name, args, world):
@@ -468,7 +485,8 @@ def main(argv=None) -> int:
     label = SCHEDULES[args.schedule][3]
     print(f"splitgrad main job: {label} on {world} processes ({'NCCL' if args.device == 'cuda' else 'gloo'}), "
           f"model {args.model} (dim {args.dim}, {args.heads} heads, vocab {args.vocab}), "
-          f"{args.layers} blocks of delayed splitgrad.Linear{' with fp32 main_grad' if args.dtype != 'float32' else ''}, "
+          f"{args.layers} blocks of delayed splitgrad.LayerNormLinear (QKV), Linear and LayerNormMLP"
+          f"{' with fp32 main_grad' if args.dtype != 'float32' else ''}, "
           "embedding tied to the output layer across stages, "
           f"{args.micro_batches} micro-batches x {args.batch} x {args.context} tokens, {args.device}, {args.dtype}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -482,8 +500,13 @@ def main(argv=None) -> int:
     params = {}
     for run in main_runs:
         params.update(run["params"])
+    unmatched = sorted(set(params) ^ set(reference))  # every parameter compared, each under one name
+    if unmatched:
+        print(f"parameters without a twin in the reference or in the pipeline: {unmatched}")
     worst, worst_name = 0.0, ""
     for name, value in params.items():
+        if name not in reference:
+            continue
         difference = (value - reference[name].detach().float().cpu()).abs().max().item()
         if difference > worst or not math.isfinite(difference):
             worst, worst_name = difference, name
@@ -527,7 +550,7 @@ def main(argv=None) -> int:
         print(f"timeline: {timeline_png}")
     if write_loss_plot(loss_png, losses, reference_losses, label):
         print(f"loss curve: {loss_png}")
-    ok = worst <= tolerance and copies_equal and math.isfinite(losses[-1])
+    ok = worst <= tolerance and copies_equal and math.isfinite(losses[-1]) and not unmatched
     print("PARITY OK" if ok else "PARITY FAILED")
     return 0 if ok else 1
 

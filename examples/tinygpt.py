@@ -2,20 +2,27 @@
 
 Pieces: ``Embedding`` (token + position embedding), ``Block`` x layers (pre-norm causal
 self-attention and MLP), ``Head`` (final norm and the output layer). The output layer is tied to the
-token embedding, as in GPT models. ``linear`` builds every projection, so one model definition gives
-both the splitgrad model (``splitgrad.Linear(..., delay_wgrad_compute=True)``) and its plain-PyTorch
-twin (``nn.Linear``) with the same initial values.
+token embedding, as in GPT models. A block is built as a Transformer Engine user builds it: the QKV
+projection with the first norm fused in (``te.LayerNormLinear``), the attention's output projection
+(``te.Linear``), the MLP with the second norm fused in (``te.LayerNormMLP``, TE's ``"gelu"``).
+``Layers`` says what builds those three, so one model definition gives both the splitgrad model
+(splitgrad's modules, from examples/demo.py) and its plain-PyTorch twin (``plain_layers``:
+``nn.LayerNorm``, ``nn.Linear`` and the activation) with the same initial values.
 """
 
 from __future__ import annotations
 
 import pathlib
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 CORPUS_PATH = pathlib.Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+#: The MLP's activation, by TE's name: TE's "gelu" is the tanh approximation.
+ACTIVATION = "gelu"
 
 
 class CharTokenizer:
@@ -62,47 +69,109 @@ class Embedding(nn.Module):
         return self.tokens(ids) + self.positions[: ids.shape[1]]
 
 
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP; ``linear`` builds every projection."""
+class Layers(NamedTuple):
+    """What builds a model's layers: ``linear(in, out, bias=True)``,
+    ``layernorm_linear(in, out)`` (LayerNorm, then the linear map) and
+    ``layernorm_mlp(hidden, ffn)`` (LayerNorm, fc1, ACTIVATION, fc2), with TE's parameter names or
+    with ``TE_NAMES`` mapping theirs to TE's (``te_named_parameters``)."""
 
-    def __init__(self, dim: int, heads: int, linear) -> None:
+    linear: Callable[..., nn.Module]
+    layernorm_linear: Callable[[int, int], nn.Module]
+    layernorm_mlp: Callable[[int, int], nn.Module]
+
+
+class PlainLayerNormLinear(nn.Module):
+    """te.LayerNormLinear's function in plain PyTorch: nn.LayerNorm, then nn.Linear."""
+
+    TE_NAMES = {"norm.weight": "layer_norm_weight", "norm.bias": "layer_norm_bias", "linear.weight": "weight",
+                "linear.bias": "bias"}
+
+    def __init__(self, i: int, o: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(i, device=device, dtype=dtype)
+        self.linear = nn.Linear(i, o, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.norm(x))
+
+
+class PlainLayerNormMLP(nn.Module):
+    """te.LayerNormMLP's function in plain PyTorch: nn.LayerNorm, nn.Linear, TE's "gelu" (the tanh
+    approximation), nn.Linear."""
+
+    TE_NAMES = {"norm.weight": "layer_norm_weight", "norm.bias": "layer_norm_bias", "fc1.weight": "fc1_weight",
+                "fc1.bias": "fc1_bias", "fc2.weight": "fc2_weight", "fc2.bias": "fc2_bias"}
+
+    def __init__(self, hidden: int, ffn: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, device=device, dtype=dtype)
+        self.fc1 = nn.Linear(hidden, ffn, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(ffn, hidden, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+
+
+def plain_layers(device=None, dtype=None) -> Layers:
+    """The plain-PyTorch twin's layers (the reference the splitgrad model is checked against)."""
+    return Layers(
+        linear=lambda i, o, bias=True: nn.Linear(i, o, bias, device=device, dtype=dtype),
+        layernorm_linear=lambda i, o: PlainLayerNormLinear(i, o, device=device, dtype=dtype),
+        layernorm_mlp=lambda h, f: PlainLayerNormMLP(h, f, device=device, dtype=dtype),
+    )
+
+
+def te_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """``model.named_parameters(remove_duplicate=False)`` under TE's parameter names: a plain
+    twin's ``qkv.norm.weight`` as ``qkv.layer_norm_weight`` (its modules' ``TE_NAMES``), so its
+    parameters and the splitgrad model's match by name."""
+    renamed = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for local, te in getattr(module, "TE_NAMES", {}).items():
+            renamed[f"{prefix}.{local}" if prefix else local] = f"{prefix}.{te}" if prefix else te
+    return {renamed.get(n, n): p for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+class Block(nn.Module):
+    """Pre-norm causal self-attention and MLP, as a TE GPT's: ``qkv`` (the first norm and the QKV
+    projection), ``proj``, ``mlp`` (the second norm, fc1, the activation, fc2)."""
+
+    def __init__(self, dim: int, heads: int, layers: Layers) -> None:
         super().__init__()
         self.heads = heads
-        self.norm1 = nn.LayerNorm(dim)
-        self.qkv = linear(dim, 3 * dim)
-        self.proj = linear(dim, dim)
-        self.norm2 = nn.LayerNorm(dim)
-        self.fc1 = linear(dim, 4 * dim)
-        self.fc2 = linear(4 * dim, dim)
+        self.qkv = layers.layernorm_linear(dim, 3 * dim)
+        self.proj = layers.linear(dim, dim)
+        self.mlp = layers.layernorm_mlp(dim, 4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = self.qkv(x).split(d, dim=-1)
         q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attention.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+        return x + self.mlp(x)
 
 
 class Head(nn.Module):
-    def __init__(self, dim: int, vocab: int, linear) -> None:
+    def __init__(self, dim: int, vocab: int, layers: Layers) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.out = linear(dim, vocab, bias=False)
+        self.out = layers.linear(dim, vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(self.norm(x))
 
 
-def build_pieces(linear, *, vocab: int, dim: int, heads: int, layers: int, context: int, seed: int,
+def build_pieces(kit: Layers, *, vocab: int, dim: int, heads: int, layers: int, context: int, seed: int,
                  device="cpu", dtype=torch.float32) -> list[nn.Module]:
-    """[Embedding, Block x layers, Head] with the same initial values for any ``linear`` and in any
-    process; the output layer's weight starts equal to the token embedding's (tie it, or keep the
+    """[Embedding, Block x layers, Head] with the same initial values for any ``kit`` and in any
+    process (norms start at 1 and 0; the linear maps draw nn.Linear's initialisation in the same
+    order); the output layer's weight starts equal to the token embedding's (tie it, or keep the
     copies equal with splitgrad.pipelining.TiedParameter)."""
     torch.manual_seed(seed)
     pieces = [Embedding(vocab, dim, context)]
-    pieces += [Block(dim, heads, linear) for _ in range(layers)]
-    pieces.append(Head(dim, vocab, linear))
+    pieces += [Block(dim, heads, kit) for _ in range(layers)]
+    pieces.append(Head(dim, vocab, kit))
     with torch.no_grad():
         pieces[-1].out.weight.copy_(pieces[0].tokens.weight)
     return [p.to(device=device, dtype=dtype) for p in pieces]

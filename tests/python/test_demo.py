@@ -94,7 +94,8 @@ def test_demo_bfloat16_trains_with_fp32_main_grad(tmp_path):
     layers, fp32 master weights), in the pipeline and the reference alike: they agree."""
     status, printed = run_demo("--dtype", "bfloat16", "--compare", "", "--out", str(tmp_path))
     assert status == 0, printed
-    assert "delayed splitgrad.Linear with fp32 main_grad" in printed and "bfloat16" in printed
+    assert "delayed splitgrad.LayerNormLinear (QKV), Linear and LayerNormMLP with fp32 main_grad" in printed
+    assert "bfloat16" in printed
     assert "PARITY OK" in printed
     assert "copies on the first and the last stage are bit-identical" in printed
 
@@ -128,3 +129,61 @@ def test_data_parallel_example_trains_the_same_in_both_modes():
         assert int(started) >= 1 and int(total) >= int(started), lines[-1]
     assert losses["ddp"][-1] < 2.0, losses
     assert abs(losses["ddp"][-1] - losses["fsdp"][-1]) < 1e-3, losses
+
+
+def test_the_reference_is_plain_pytorch_with_the_same_weights():
+    """The parity check's reference: the demo's model in plain PyTorch modules (nn.LayerNorm,
+    nn.Linear; no splitgrad module in it), whose parameters under TE's names are exactly the
+    splitgrad model's, equal at the start, computing the same function."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import demo
+        import tinygpt
+    finally:
+        sys.path.remove(str(DEMO.parent))
+    import splitgrad
+
+    shape = dict(vocab=40, dim=32, heads=4, layers=2, context=16, seed=3)
+    ours = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.float32), **shape))
+    plain = nn.Sequential(*tinygpt.build_pieces(tinygpt.plain_layers("cpu", torch.float32), **shape))
+    kinds = {type(m) for m in ours.modules()}
+    assert {splitgrad.LayerNormLinear, splitgrad.LayerNormMLP, splitgrad.Linear} <= kinds
+    assert isinstance(ours[1].qkv, splitgrad.LayerNormLinear) and isinstance(ours[1].mlp, splitgrad.LayerNormMLP)
+    assert ours[1].mlp.activation == "gelu" and ours[1].qkv.normalization == "LayerNorm"
+    assert not any(isinstance(m, demo.SPLITGRAD_MODULES) for m in plain.modules())
+    assert sum(isinstance(m, nn.LayerNorm) for m in plain.modules()) == 2 * 2 + 1
+    ours_params = dict(ours.named_parameters())
+    plain_params = tinygpt.te_named_parameters(plain)
+    assert sorted(ours_params) == sorted(plain_params)
+    assert "1.qkv.layer_norm_weight" in ours_params and "2.mlp.fc2_bias" in ours_params
+    for name, p in ours_params.items():
+        assert torch.equal(p, plain_params[name]), name
+    ids = torch.randint(0, 40, (2, 16))
+    torch.testing.assert_close(ours(ids), plain(ids), rtol=0, atol=0)
+    assert splitgrad.pending_wgrads() == 0  # nothing was backpropagated
+
+
+def test_only_the_gemm_parameters_are_fused():
+    """In bf16 the GEMMs' weights and biases add into main_grad inside their W steps; the norms'
+    parameters (layer_norm_weight / layer_norm_bias, as in TE) and the embeddings go through .grad
+    and the hook."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import demo
+        import tinygpt
+    finally:
+        sys.path.remove(str(DEMO.parent))
+
+    shape = dict(vocab=40, dim=32, heads=4, layers=1, context=16, seed=0)
+    model = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.bfloat16), **shape,
+                                                dtype=torch.bfloat16))
+    fused = demo.fused_parameters(model)
+    hooked = sorted(n for n, p in model.named_parameters() if id(p) not in fused)
+    assert hooked == ["0.positions", "0.tokens.weight", "1.mlp.layer_norm_bias", "1.mlp.layer_norm_weight",
+                      "1.qkv.layer_norm_bias", "1.qkv.layer_norm_weight", "2.norm.bias", "2.norm.weight"]
