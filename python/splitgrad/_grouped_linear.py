@@ -5,16 +5,21 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from . import _C
-from ._deferred import check_no_pending, register_grad_ready_hook
-from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarning
-from ._linear import _TE_DEFAULTS, _default_device, _drop_te_extra_state, _exporting, _takes_an_argument
+from ._errors import ArgumentError, DTypeError
+from ._linear import (
+    _TE_DEFAULTS,
+    _check_params_dtype,
+    _check_sizes,
+    _DeferredWgradModule,
+    _factory,
+    _refuse_unsupported,
+    _typed_errors,
+)
 
 __all__ = ["GroupedLinear"]
 
@@ -32,7 +37,7 @@ def _grouped_outside_graph(*args):
     return _grouped_linear_op(*args)
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(_DeferredWgradModule):
     """``num_gemms`` linear maps (MoE experts) over one tensor's rows: rows
     ``[offset_i, offset_i + m_splits[i])`` of the input go through expert ``i``,
     ``y_i = x_i·W_iᵀ + b_i``, whose weight and bias gradients can be deferred to :meth:`backward_dw`.
@@ -66,38 +71,21 @@ class GroupedLinear(nn.Module):
         **te_keywords,
     ) -> None:
         super().__init__()
-        unsupported = sorted(k for k, v in te_keywords.items() if _GROUPED_TE_DEFAULTS.get(k, object()) != v)
-        if unsupported:
-            raise TypeError(
-                f"splitgrad.GroupedLinear got keyword argument(s) it does not support: {unsupported} "
-                f"(te.GroupedLinear keywords accepted only at their defaults: {sorted(_GROUPED_TE_DEFAULTS)})"
-            )
-        for arg, value in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ArgumentError(f"splitgrad.GroupedLinear: expected a positive int {arg}, got {value!r}")
-        if params_dtype is not None and not (isinstance(params_dtype, torch.dtype) and params_dtype.is_floating_point):
-            raise DTypeError(f"splitgrad.GroupedLinear: expected a floating-point params_dtype, got {params_dtype!r}")
+        _refuse_unsupported("GroupedLinear", te_keywords, _GROUPED_TE_DEFAULTS)
+        _check_sizes("GroupedLinear", num_gemms=num_gemms, in_features=in_features, out_features=out_features)
+        _check_params_dtype("GroupedLinear", params_dtype)
         self.num_gemms = num_gemms
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = bool(bias)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
-        factory = {
-            "device": torch.device(device) if device is not None else _default_device(),
-            "dtype": params_dtype if params_dtype is not None else torch.get_default_dtype(),
-        }
+        factory = _factory(device, params_dtype)
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
         for i in range(num_gemms if bias else 0):
             self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)))
-        self._layer = _C.LayerHandle(name or "")
-        self._layer_id = self._layer.id
-        if not name:
-            self._layer.name = self._default_name(self._layer_id)
-        self._reduce_hooks: list[Callable] = []
-        self._reduce_hook_handles: list = []
-        self.register_state_dict_pre_hook(GroupedLinear._state_dict_pre_hook)
+        self._register(name)
         self.reset_parameters(init_method)
 
     def _default_name(self, layer_id) -> str:
@@ -124,20 +112,6 @@ class GroupedLinear(nn.Module):
             bound = 1.0 / math.sqrt(self.in_features)
             for bias in self.biases:
                 nn.init.uniform_(bias, -bound, bound)
-
-    def __prepare_scriptable__(self):
-        raise TypeError(
-            f"splitgrad layer '{self.name}' cannot be compiled by torch.jit.script; use torch.compile, "
-            "or torch.export / torch.jit.trace, which record it as a regular layer"
-        )
-
-    @property
-    def name(self) -> str:
-        return self._layer.name
-
-    @name.setter
-    def name(self, value: str) -> None:
-        self._layer.name = str(value)
 
     def _splits_tensor(self, m_splits) -> torch.Tensor:
         """m_splits as the op takes it: an int64 tensor. A list becomes a CPU tensor; a tensor stays
@@ -168,133 +142,43 @@ class GroupedLinear(nn.Module):
         ``is_first_microbatch`` is accepted for te.GroupedLinear compatibility; it does not change the
         gradients (they accumulate over micro-batches either way).
         """
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
+        self._check_forward_args(inp, is_first_microbatch)
         splits = self._splits_tensor(m_splits)
         weights, biases = self.weights, self.biases
+        path = self._linear_path(inp)
+        if path == "functional":
+            return self._functional(inp, splits, weights, biases)
         weight_main_grads: list = []
         bias_main_grads: list = []
-        if self.fuse_wgrad_accumulation and not _exporting():
+        if self.fuse_wgrad_accumulation and path != "export":
             weight_main_grads = [self._main_grad_of(w, f"weight{i}") for i, w in enumerate(weights)]
             bias_main_grads = [self._main_grad_of(b, f"bias{i}", required=False) for i, b in enumerate(biases)]
-        try:
-            if _exporting() or torch.jit.is_tracing():
+        with _typed_errors():
+            if path in ("export", "trace"):
                 # A graph meant to outlive this process records a regular, unfused call (layer 0).
                 return _grouped_linear_op(inp, splits, weights, biases, [], [], 0, False)
             args = (inp, splits, weights, biases, weight_main_grads, bias_main_grads, self._layer_id,
                     self.delay_wgrad_compute)
-            if (self.delay_wgrad_compute or self.fuse_wgrad_accumulation) and torch.compiler.is_compiling():
+            if path == "compile" and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
                 return _grouped_outside_graph(*args)
             return _grouped_linear_op(*args)
-        except ValueError as error:
-            kind = MainGradError if "main_grad" in str(error) else ArgumentError
-            raise kind(str(error)) from None
-        except TypeError as error:
-            raise DTypeError(str(error)) from None
 
-    def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
-        """``param.main_grad``, checked (the op checks its shape, dtype and device). Every weight's
-        is required; a bias without one gets its gradient in ``.grad``, as te.GroupedLinear does."""
-        if not param.requires_grad:
-            return None
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is None and not required:
-            return None
-        if main_grad is None:
-            raise MainGradError(
-                f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
-                f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set")
-        if not isinstance(main_grad, torch.Tensor):
-            raise MainGradError(
-                f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
-                f"got {type(main_grad).__name__}")
-        if hasattr(param, "grad_added_to_main_grad"):
-            param.grad_added_to_main_grad = True
-        return main_grad
-
-    def backward_dw(self) -> None:
-        """Run this layer's deferred wgrad (every expert) for the oldest backward pass still pending.
-
-        Does nothing when the layer was built with delay_wgrad_compute=False (as in TE); raises
-        RuntimeError naming the layer when a delayed layer has nothing pending.
-        """
-        if self.delay_wgrad_compute:
-            self._layer.backward_dw()
-
-    def pending_wgrads(self) -> int:
-        """Deferred wgrad items queued for this layer (one per application, all experts)."""
-        return self._layer.pending()
-
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable) -> None:
-        """TE's name: run ``hook`` for each parameter of this layer (each expert's weight and bias,
-        a parameter shared by experts once) once its gradient for a backward pass is complete.
-        ``hook(param)`` is called if it takes an argument, else ``hook()`` as in TE."""
-        if not callable(hook):
-            raise TypeError(f"expected a callable hook, got {type(hook).__name__}")
-        self._reduce_hooks.append(hook)
-        self._install_reduce_hooks()
-
-    def _own_parameters(self) -> list[torch.Tensor]:
-        """Each parameter once (experts may share one)."""
-        unique: dict[int, torch.Tensor] = {}
-        for p in self.weights + self.biases:
-            unique.setdefault(id(p), p)
-        return list(unique.values())
-
-    def _install_reduce_hooks(self) -> None:
-        for handle in self._reduce_hook_handles:
-            handle.remove()
-        self._reduce_hook_handles = []
-        for hook in self._reduce_hooks:
-            call = hook if _takes_an_argument(hook) else (lambda _param, hook=hook: hook())
-            for param in self._own_parameters():
-                if param.requires_grad:
-                    self._reduce_hook_handles.append(register_grad_ready_hook(param, call))
-
-    def __setattr__(self, name, value):
-        super().__setattr__(name, value)
-        if (name.startswith("weight") or name.startswith("bias")) and self.__dict__.get("_reduce_hooks"):
-            self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state["_reduce_hook_handles"] = []
-        return state
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        if self._layer.name == self._default_name(state.get("_layer_id")):
-            self._layer.name = self._default_name(self._layer.id)
-        self._layer_id = self._layer.id
-        self._reduce_hook_handles = []
-        if self._reduce_hooks:
-            self._install_reduce_hooks()
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        _drop_te_extra_state(state_dict, prefix)
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    @staticmethod
-    def _state_dict_pre_hook(module, prefix, keep_vars):
-        if module._layer.pending():
-            check_no_pending(f"state_dict() of '{module.name}'", module._own_parameters())
-
-    def __del__(self):
-        layer = self.__dict__.get("_layer")
-        if layer is None:
-            return
-        name = layer.name
-        dropped = layer.release()
-        if dropped:
-            warnings.warn(
-                f"splitgrad layer '{name}' was deleted with {dropped} deferred wgrad item(s) "
-                "pending: their stashed tensors were freed and those gradient contributions discarded. "
-                "Call backward_dw() before deleting a layer.",
-                PendingWgradWarning,
-                stacklevel=2,
-            )
+    def _functional(self, inp, splits, weights, biases):
+        # Under a torch.func transform or forward-mode AD: each expert with F.linear, as a plain
+        # per-expert model computes it (PyTorch runs no C++ autograd Function there). The splits are
+        # read on the host: transforms run eagerly.
+        counts = [int(c) for c in splits.tolist()]
+        rows = inp.reshape(-1, self.in_features) if inp.dim() > 0 else inp
+        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
+            raise ArgumentError(f"splitgrad layer '{self.name}': expected input of shape [*, {self.in_features}], "
+                                f"got shape {list(inp.shape)}")
+        if len(counts) != self.num_gemms or any(c < 0 for c in counts) or sum(counts) != rows.shape[0]:
+            raise ArgumentError(f"splitgrad layer '{self.name}': expected {self.num_gemms} non-negative m_splits "
+                                f"summing to the input's {rows.shape[0]} rows, got {counts}")
+        pieces = rows.split(counts)
+        outs = [nn.functional.linear(x, w, biases[i] if biases else None)
+                for i, (x, w) in enumerate(zip(pieces, weights))]
+        return torch.cat(outs).reshape(*inp.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (

@@ -251,14 +251,23 @@ class _DeferredWgradModule(nn.Module):
         self._reduce_hooks.append(hook)
         self._install_reduce_hooks()
 
+    def _own_parameters(self) -> list[torch.Tensor]:
+        """The module's parameters, each once (a parameter tied within the module is registered
+        under several names)."""
+        unique: dict[int, torch.Tensor] = {}
+        for p in self._parameters.values():
+            if p is not None:
+                unique.setdefault(id(p), p)
+        return list(unique.values())
+
     def _install_reduce_hooks(self) -> None:
         for handle in self._reduce_hook_handles:
             handle.remove()
         self._reduce_hook_handles = []
         for hook in self._reduce_hooks:
             call = hook if _takes_an_argument(hook) else (lambda _param, hook=hook: hook())
-            for param in self._parameters.values():
-                if param is not None and param.requires_grad:
+            for param in self._own_parameters():
+                if param.requires_grad:
                     self._reduce_hook_handles.append(register_grad_ready_hook(param, call))
 
     def __setattr__(self, name, value):
@@ -290,7 +299,7 @@ class _DeferredWgradModule(nn.Module):
     @staticmethod
     def _state_dict_pre_hook(module, prefix, keep_vars):
         if module._layer.pending():
-            check_no_pending(f"state_dict() of '{module.name}'", [p for p in module._parameters.values() if p is not None])
+            check_no_pending(f"state_dict() of '{module.name}'", module._own_parameters())
 
     def __del__(self):
         layer = self.__dict__.get("_layer")

@@ -671,3 +671,37 @@ def test_autocast_cpu_matches_per_expert_autograd(mode):
         _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
     with pytest.raises(splitgrad.DTypeError, match=r"expected input of dtype torch.float32 \(the weight's dtype\)"):
         layer(x.bfloat16(), splits)  # outside autocast
+
+
+@pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (True, True)])
+def test_torch_func_transforms_match_per_expert_linear(delay, fused):
+    """Under torch.func transforms and forward-mode AD each expert computes with F.linear, as a
+    per-expert plain model does: the gradients are returned, exact; nothing is queued or written."""
+    layer = splitgrad.GroupedLinear(3, 4, 5, device="cpu", delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
+    if fused:
+        for p in layer.parameters():
+            p.main_grad = torch.zeros_like(p)
+    splits = [2, 0, 3]
+    x = torch.randn(5, 4)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def plain(p, x):
+        pieces = x.split(splits)
+        return torch.cat([nn.functional.linear(pieces[i], p[f"weight{i}"], p[f"bias{i}"]) for i in range(3)])
+
+    def mine(p, x):
+        return torch.func.functional_call(layer, p, (x, splits))
+
+    def exact(a, b):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    exact(torch.func.grad(lambda p, x: mine(p, x).pow(2).sum())(params, x),
+          torch.func.grad(lambda p, x: plain(p, x).pow(2).sum())(params, x))
+    exact(torch.func.jacrev(mine, argnums=1)(params, x), torch.func.jacrev(plain, argnums=1)(params, x))
+    tangent = torch.randn_like(x)
+    exact(torch.func.jvp(lambda x: mine(params, x), (x,), (tangent,)),
+          torch.func.jvp(lambda x: plain(params, x), (x,), (tangent,)))
+    assert splitgrad.pending_wgrads() == 0
+    assert all(p.grad is None for p in layer.parameters())
+    with pytest.raises(splitgrad.ArgumentError, match="summing to the input's 5 rows"):
+        torch.func.grad(lambda x: layer(x, [1, 1, 1]).sum())(x)
