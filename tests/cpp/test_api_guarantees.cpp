@@ -79,89 +79,93 @@ TEST(ApiExitDeathTest, PendingWorkHeldByAHookAndAGlobalLayerAtExit) {
 // ---------------------------------------------------------------------------------------------
 // 2. Threads
 
-// Thread T's backward_dw_all() took both layers' items and is stuck in a hook after the first;
-// the main thread's backward_dw_all() must wait for the second to land, not return at once.
-TEST_F(ApiTest, BackwardDwAllWaitsForWorkAnotherThreadTook) {
-  Linear a(opts(8, 8).delay_wgrad_compute(true).name("a"));
-  Linear b(opts(8, 8).delay_wgrad_compute(true).name("b"));
-  torch::Tensor wa = ref_param(a->weight), wb = ref_param(b->weight);
-  torch::Tensor ba = ref_param(a->bias), bb = ref_param(b->bias);
-  torch::Tensor x = torch::randn({4, 8});
-  b(a(x)).sum().backward();  // queues b's item, then a's
-  F::linear(F::linear(x, wa, ba), wb, bb).sum().backward();
+// Two delayed layers a -> b with their plain-autograd twins, and a thread T whose backward_dw_all()
+// has landed b's item and is stuck in b's grad-ready hook, holding a's item not yet run, until
+// release() (from another thread, after a delay, so the main thread can block meanwhile).
+class StuckInAnotherThread {
+ public:
+  StuckInAnotherThread()
+      : a(opts(8, 8).delay_wgrad_compute(true).name("a")),
+        b(opts(8, 8).delay_wgrad_compute(true).name("b")),
+        wa(ref_param(a->weight)), wb(ref_param(b->weight)),
+        ba(ref_param(a->bias)), bb(ref_param(b->bias)) {
+    torch::Tensor x = torch::randn({4, 8});
+    b(a(x)).sum().backward();  // queues b's item, then a's
+    F::linear(F::linear(x, wa, ba), wb, bb).sum().backward();
+    released_ = release_.get_future().share();
+    handle_ = splitgrad::register_grad_ready_hook(b->weight, [this](const at::Tensor&) {
+      if (!first_.exchange(false)) return;
+      entered_.set_value();
+      released_.wait();
+    });
+    other_ = std::thread([] { splitgrad::backward_dw_all(); });
+    entered_.get_future().wait();
+  }
+  void release_later() {
+    releaser_ = std::thread([this] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      release_.set_value();
+    });
+  }
+  ~StuckInAnotherThread() {
+    if (!releaser_.joinable()) release_.set_value();
+    if (releaser_.joinable()) releaser_.join();
+    other_.join();
+    handle_.remove();
+  }
 
-  std::promise<void> entered, release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<bool> first{true};
-  auto handle = splitgrad::register_grad_ready_hook(b->weight, [&](const at::Tensor&) {
-    if (!first.exchange(false)) return;
-    entered.set_value();
-    released.wait();
-  });
-  std::thread other([] { splitgrad::backward_dw_all(); });
-  entered.get_future().wait();  // `other` holds a's item, not yet run
-  std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    release.set_value();
-  });
-  splitgrad::backward_dw_all();
-  EXPECT_EQ(splitgrad::pending_wgrads_for(a->weight), 0)
-      << "backward_dw_all() returned while a's work was still running in another thread";
-  ASSERT_TRUE(a->weight.grad().defined());
-  EXPECT_TRUE(torch::equal(a->weight.grad(), wa.grad()));
-  releaser.join();
-  other.join();
-  handle.remove();
-  EXPECT_TRUE(torch::equal(b->weight.grad(), wb.grad()));
+  Linear a, b;
+  torch::Tensor wa, wb, ba, bb;
+
+ private:
+  std::promise<void> entered_, release_;
+  std::shared_future<void> released_;
+  std::atomic<bool> first_{true};
+  splitgrad::GradReadyHookHandle handle_;
+  std::thread other_, releaser_;
+};
+
+// The main thread's backward_dw_all() must wait for a's item, which T took, to land.
+TEST_F(ApiTest, BackwardDwAllWaitsForWorkAnotherThreadTook) {
+  {
+    StuckInAnotherThread t;
+    t.release_later();
+    splitgrad::backward_dw_all();
+    EXPECT_EQ(splitgrad::pending_wgrads_for(t.a->weight), 0)
+        << "backward_dw_all() returned while a's work was still running in another thread";
+    ASSERT_TRUE(t.a->weight.grad().defined());
+    EXPECT_TRUE(torch::equal(t.a->weight.grad(), t.wa.grad()));
+  }
 }
 
-// Thread T's backward_dw_all() holds a's item while stuck in b's hook. Meanwhile, in the main
-// thread: that item still counts as pending (so guards do not pass on an incomplete gradient),
-// and a's own backward_dw() waits for it to land instead of saying nothing was queued.
+// Meanwhile, in the main thread, a's item still counts as pending (so guards do not pass on an
+// incomplete gradient), and a's own backward_dw() waits for it instead of saying nothing was queued.
 TEST_F(ApiTest, WorkAnotherThreadTookCountsAsPendingAndALayersBackwardDwWaitsForIt) {
-  Linear a(opts(8, 8).delay_wgrad_compute(true).name("a"));
-  Linear b(opts(8, 8).delay_wgrad_compute(true).name("b"));
-  torch::Tensor wa = ref_param(a->weight), wb = ref_param(b->weight);
-  torch::Tensor ba = ref_param(a->bias), bb = ref_param(b->bias);
-  torch::Tensor x = torch::randn({4, 8});
-  b(a(x)).sum().backward();  // queues b's item, then a's
-  F::linear(F::linear(x, wa, ba), wb, bb).sum().backward();
+  torch::Tensor b_weight, b_weight_ref;
+  {
+    StuckInAnotherThread t;
+    EXPECT_EQ(splitgrad::pending_wgrads(), 1);
+    EXPECT_EQ(t.a->pending_wgrads(), 1);
+    EXPECT_EQ(t.b->pending_wgrads(), 0);
+    EXPECT_EQ(splitgrad::layers_with_pending_wgrads({t.a->weight}),
+              std::vector<std::string>{"a"});
+    EXPECT_EQ(splitgrad::layers_with_pending_wgrads({t.b->weight}), std::vector<std::string>{});
+    splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
+    const std::string guard = error_message([&] { splitgrad::check_pending_wgrads("step()"); });
+    splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kWarn);
+    EXPECT_CONTAINS(guard, "'a'");
 
-  std::promise<void> entered, release;
-  std::shared_future<void> released = release.get_future().share();
-  std::atomic<bool> first{true};
-  auto handle = splitgrad::register_grad_ready_hook(b->weight, [&](const at::Tensor&) {
-    if (!first.exchange(false)) return;
-    entered.set_value();
-    released.wait();
-  });
-  std::thread other([] { splitgrad::backward_dw_all(); });
-  entered.get_future().wait();  // `other` has landed b's item and holds a's, not yet run
-  EXPECT_EQ(splitgrad::pending_wgrads(), 1);
-  EXPECT_EQ(a->pending_wgrads(), 1);
-  EXPECT_EQ(b->pending_wgrads(), 0);
-  EXPECT_EQ(splitgrad::layers_with_pending_wgrads({a->weight}),
-            std::vector<std::string>{"a"});
-  EXPECT_EQ(splitgrad::layers_with_pending_wgrads({b->weight}), std::vector<std::string>{});
-  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kError);
-  const std::string guard = error_message([&] { splitgrad::check_pending_wgrads("step()"); });
-  splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kWarn);
-  EXPECT_CONTAINS(guard, "'a'");
-
-  std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    release.set_value();
-  });
-  EXPECT_NO_THROW(a->backward_dw()) << "a's own backward_dw() saw nothing while T ran a's item";
-  EXPECT_EQ(splitgrad::pending_wgrads_for(a->weight), 0)
-      << "a's backward_dw() returned while its work was still running in another thread";
-  ASSERT_TRUE(a->weight.grad().defined());
-  EXPECT_TRUE(torch::equal(a->weight.grad(), wa.grad()));
-  EXPECT_TRUE(torch::equal(a->bias.grad(), ba.grad()));
-  releaser.join();
-  other.join();
-  handle.remove();
-  EXPECT_TRUE(torch::equal(b->weight.grad(), wb.grad()));
+    t.release_later();
+    EXPECT_NO_THROW(t.a->backward_dw()) << "a's own backward_dw() saw nothing while T ran a's item";
+    EXPECT_EQ(splitgrad::pending_wgrads_for(t.a->weight), 0)
+        << "a's backward_dw() returned while its work was still running in another thread";
+    ASSERT_TRUE(t.a->weight.grad().defined());
+    EXPECT_TRUE(torch::equal(t.a->weight.grad(), t.wa.grad()));
+    EXPECT_TRUE(torch::equal(t.a->bias.grad(), t.ba.grad()));
+    b_weight = t.b->weight;
+    b_weight_ref = t.wb;
+  }
+  EXPECT_TRUE(torch::equal(b_weight.grad(), b_weight_ref.grad()));
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
 }
 
