@@ -389,18 +389,9 @@ class InFlight {
     std::vector<uint64_t> out;
     for (const auto& [id, batch] : batches_) {
       if (batch.thread == std::this_thread::get_id()) continue;  // ours: waiting would deadlock
-      bool feeds = params.empty();
-      for (size_t i = 0; !feeds && i < params.size(); ++i) {
-        const c10::TensorImpl* param = params[i].unsafeGetTensorImpl();
-        for (const auto& entry : batch.entries) {
-          if (std::find(entry.targets.begin(), entry.targets.end(), param) !=
-              entry.targets.end()) {
-            feeds = true;
-            break;
-          }
-        }
-      }
-      if (feeds) out.push_back(id);
+      const bool feeding = std::any_of(batch.entries.begin(), batch.entries.end(),
+                                       [&](const Entry& entry) { return feeds(entry, params); });
+      if (feeding) out.push_back(id);
     }
     return out;
   }
