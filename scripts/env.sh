@@ -10,6 +10,9 @@ fi
 # shellcheck disable=SC1091
 . "$SPLITGRAD_VENV/bin/activate"
 pip install -q -r "$_root/requirements-dev.txt"
+# CUTLASS's C++ headers for the SM90 grouped GEMMs; only the headers are used, so without the
+# package's Python dependencies (cuda-python, scipy, ...).
+pip install -q --no-deps nvidia-cutlass==4.2.0.0
 # GoogleTest for the C++ suite (a Debian package).
 if [ ! -f /usr/include/gtest/gtest.h ]; then
   echo "splitgrad: installing GoogleTest (libgtest-dev)"

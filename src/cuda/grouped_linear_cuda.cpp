@@ -1,16 +1,21 @@
-// The CUDA back end of the grouped ops: for now a loop over the groups, each running the cuBLASLt
-// linear products (cuda/linear_cuda.h) on views of its rows, writing straight into the grouped
-// output or target (no copies).
-//
-// TODO(grouped GEMM): the loop reads m_splits to the host (a synchronisation when they are on the
-// device) and launches one GEMM per group. A grouped kernel (cuBLASLt grouped GEMM, CUTLASS's
-// grouped kernels, torch's _grouped_mm) replaces each loop below with one launch that reads the
-// splits on the device; the op schemas, the autograd and the deferred runner stay as they are.
+// The CUDA back end of the grouped ops. On Hopper, for bf16 operands with contiguous rows, each
+// product is one launch of the grouped kernels (cuda/grouped_gemm.h): the splits stay on the
+// device, so a router's counts never synchronise the host, and the weight gradients go straight
+// into their targets (fp32 main_grad or the .grad) with beta = 1. Elsewhere (other dtypes or
+// devices, strided operands) a loop over the groups runs the cuBLASLt linear products
+// (cuda/linear_cuda.h) on views of each group's rows; it reads the splits on the host, which waits
+// for the device when they live there.
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <unordered_map>
+
 #include "aten/linear_aten.h"
+#include "cuda/bias_grad.h"
+#include "cuda/grouped_gemm.h"
 #include "cuda/linear_cuda.h"
 #include "ops/checks.h"
 
@@ -19,10 +24,115 @@ namespace {
 
 using OptTensorList = c10::List<std::optional<at::Tensor>>;
 
-// The splits on the host, checked. TODO(grouped GEMM): a device tensor is copied here, which waits
-// for the stream; the grouped kernels will read it in place.
+// The splits on the host, checked (a device tensor is copied, which waits for the stream).
 std::vector<int64_t> host_splits(detail::Who who, const at::Tensor& m_splits, int64_t rows) {
   return detail::split_sizes(who, m_splits.device().is_cpu() ? m_splits : m_splits.cpu(), rows);
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Whether the grouped kernels take these operands: bf16 on a device they run on, each operand
+// contiguous and 16-byte aligned (a view of one group's rows of a larger tensor is not).
+bool grouped_kernels_take(std::initializer_list<std::reference_wrapper<const at::Tensor>> operands,
+                          at::TensorList more = {}) {
+  const at::Tensor& first = operands.begin()->get();
+  const cudaDeviceProp* props = at::cuda::getDeviceProperties(first.device().index());
+  if (!cuda::grouped_gemm_runs_on(props->major, props->minor)) return false;
+  const auto fits = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kBFloat16 && t.is_contiguous() && aligned16(t);
+  };
+  for (const at::Tensor& t : operands) {
+    if (!fits(t)) return false;
+  }
+  for (const at::Tensor& t : more) {
+    if (!fits(t)) return false;
+  }
+  return true;
+}
+
+// The splits as the grouped kernels read them: int64 on the device. A CPU tensor's values are
+// checked here and copied without waiting; a device tensor's are checked by the kernels.
+at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of) {
+  if (m_splits.device().is_cpu()) {
+    detail::split_sizes(who, m_splits, rows_of.size(0));
+    return m_splits.contiguous().to(rows_of.device(), /*non_blocking=*/true);
+  }
+  return m_splits.contiguous();
+}
+
+// A device array of pointers (nullptr where absent), copied from pinned memory without waiting
+// (the caching host allocator keeps the buffer until the copy has run).
+at::Tensor device_pointers(const std::vector<const void*>& pointers, const at::Tensor& like) {
+  at::Tensor host = at::empty({static_cast<int64_t>(pointers.size())},
+                              at::TensorOptions(at::kLong).pinned_memory(true));
+  std::memcpy(host.data_ptr(), pointers.data(), pointers.size() * sizeof(void*));
+  return host.to(like.device(), /*non_blocking=*/true);
+}
+
+// Runs a grouped product on the current stream; false where the kernel does not take the
+// arguments after all (the caller loops instead).
+bool launch(detail::Who who, cuda::GroupedGemmArgs args, const at::Tensor& like) {
+  args.multiprocessors = at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
+  const size_t bytes = cuda::grouped_gemm_workspace_bytes(args);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
+  const cudaError_t status = cuda::grouped_gemm(args, at::cuda::getCurrentCUDAStream());
+  if (status == cudaErrorNotSupported) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  TORCH_CHECK(status == cudaSuccess, who(), ": the grouped GEMM failed to launch (",
+              cudaGetErrorString(status), ")");
+  return true;
+}
+
+cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, const at::Tensor& splits,
+                                   int64_t rows, int64_t in, int64_t out) {
+  cuda::GroupedGemmArgs args;
+  args.product = product;
+  args.groups = splits.numel();
+  args.rows = rows;
+  args.in_features = in;
+  args.out_features = out;
+  args.splits = splits.data_ptr<int64_t>();
+  return args;
+}
+
+// The group of each row, [rows] int64, from device splits without reading them on the host.
+at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
+  const at::Tensor groups = at::arange(splits.numel(), splits.options());
+  return at::repeat_interleave(groups, splits, /*dim=*/0, /*output_size=*/rows);
+}
+
+// Each group's bias gradient from its rows of dy, in one pass over dy (cuda/bias_grad.h), added
+// to fp32 targets (nullptr skips a group). Tied targets go in separate launches, in group order.
+void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tensor& splits,
+                                  const std::vector<std::vector<const void*>>& rounds) {
+  for (const auto& targets : rounds) {
+    const at::Tensor pointers = device_pointers(targets, dy);
+    const cudaError_t status = cuda::grouped_bias_grad_accumulate(
+        dy.data_ptr(), CUDA_R_16BF, dy.size(0), dy.size(1), splits.data_ptr<int64_t>(),
+        splits.numel(), reinterpret_cast<float* const*>(pointers.data_ptr()),
+        at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(status == cudaSuccess, who(), ": the grouped bias gradient kernel failed (",
+                cudaGetErrorString(status), ")");
+  }
+}
+
+// The targets split into launches so that no launch has one target twice (tied experts): round r
+// holds each target's r-th group, the others nullptr; rounds run in order, so a tied target sums
+// its groups in group order, as the loop does.
+std::vector<std::vector<const void*>> rounds_of(const std::vector<const void*>& targets) {
+  std::vector<std::vector<const void*>> rounds;
+  std::unordered_map<const void*, size_t> seen;
+  for (size_t g = 0; g < targets.size(); ++g) {
+    if (targets[g] == nullptr) continue;
+    const size_t round = seen[targets[g]]++;
+    if (round == rounds.size()) rounds.emplace_back(targets.size(), nullptr);
+    rounds[round][g] = targets[g];
+  }
+  return rounds;
 }
 
 at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_splits,
@@ -32,11 +142,31 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
                                     /*splits_on_cpu_only=*/false);
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x = detail::flatten_tokens(input);
+  const int64_t out = weights[0].size(0);
+  const auto shaped = [&](const at::Tensor& y) {
+    return input.dim() == 2 ? y : y.view(detail::with_last_dim(input.sizes(), out));
+  };
+  if (grouped_kernels_take({x}, weights)) {
+    at::Tensor y = at::empty({x.size(0), out}, input.options());
+    if (x.size(0) == 0 || out == 0) return shaped(y);
+    const at::Tensor splits = device_splits(who, m_splits, x);
+    std::vector<const void*> weight_pointers;
+    for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
+    const at::Tensor pointers = device_pointers(weight_pointers, x);
+    auto args = grouped_args(cuda::GroupedProduct::fprop, splits, x.size(0), x.size(1), out);
+    args.tokens = x.data_ptr();
+    args.weights = reinterpret_cast<const void* const*>(pointers.data_ptr());
+    args.out = y.data_ptr();
+    if (launch(who, args, x)) {
+      // TODO(grouped bias epilogue): the bias as a per-group epilogue operand instead of a pass.
+      if (!biases.empty()) y.add_(at::stack(biases).index_select(0, group_of_rows(splits, y.size(0))));
+      return shaped(y);
+    }
+  }
   const auto splits = host_splits(who, m_splits, x.size(0));
   if (!covers(input.scalar_type())) {
     return aten_backend::grouped_linear_fprop(input, splits, weights, biases);
   }
-  const int64_t out = weights[0].size(0);
   at::Tensor y = at::empty({x.size(0), out}, input.options());
   int64_t offset = 0;
   for (size_t i = 0; i < splits.size(); offset += splits[i], ++i) {
@@ -44,7 +174,7 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
         biases.empty() ? std::nullopt : std::optional<at::Tensor>(biases[i]);
     fprop_into(x.narrow(0, offset, splits[i]), weights[i], bias, y.narrow(0, offset, splits[i]));
   }
-  return input.dim() == 2 ? y : y.view(detail::with_last_dim(input.sizes(), out));
+  return shaped(y);
 }
 
 at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor& m_splits,
@@ -54,17 +184,58 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
                                    /*splits_on_cpu_only=*/false);
   const c10::cuda::CUDAGuard guard(grad_output.device());
   const at::Tensor dy = detail::flatten_tokens(grad_output);
+  const int64_t in = weights[0].size(1);
+  const auto shaped = [&](const at::Tensor& dx) {
+    return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
+  };
+  if (grouped_kernels_take({dy}, weights)) {
+    at::Tensor dx = at::empty({dy.size(0), in}, grad_output.options());
+    if (dy.size(0) == 0 || in == 0) return shaped(dx);
+    const at::Tensor splits = device_splits(who, m_splits, dy);
+    std::vector<const void*> weight_pointers;
+    for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
+    const at::Tensor pointers = device_pointers(weight_pointers, dy);
+    auto args = grouped_args(cuda::GroupedProduct::dgrad, splits, dy.size(0), in, dy.size(1));
+    args.tokens = dy.data_ptr();
+    args.weights = reinterpret_cast<const void* const*>(pointers.data_ptr());
+    args.out = dx.data_ptr();
+    if (launch(who, args, dy)) return shaped(dx);
+  }
   const auto splits = host_splits(who, m_splits, dy.size(0));
   if (!covers(grad_output.scalar_type())) {
     return aten_backend::grouped_linear_dgrad(grad_output, splits, weights);
   }
-  const int64_t in = weights[0].size(1);
   at::Tensor dx = at::empty({dy.size(0), in}, grad_output.options());
   int64_t offset = 0;
   for (size_t i = 0; i < splits.size(); offset += splits[i], ++i) {
     dgrad_into(dy.narrow(0, offset, splits[i]), weights[i], dx.narrow(0, offset, splits[i]));
   }
-  return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
+  return shaped(dx);
+}
+
+// The grouped kernel's weight gradients added to `targets` (one per group, nullptr skips it; all
+// contiguous, 16-byte aligned, of `target_type`), and the bias gradients to `bias_targets` (fp32,
+// or none). False where the kernel does not take them; nothing has run then.
+bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor& x,
+                        const at::Tensor& splits, const std::vector<const void*>& targets,
+                        cudaDataType_t target_type,
+                        const std::vector<const void*>& bias_targets) {
+  const auto weight_rounds = rounds_of(targets);
+  for (size_t r = 0; r < weight_rounds.size(); ++r) {
+    const at::Tensor pointers = device_pointers(weight_rounds[r], dy);
+    auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, splits, dy.size(0),
+                             x.size(1), dy.size(1));
+    args.tokens = dy.data_ptr();
+    args.tokens_in = x.data_ptr();
+    args.targets = reinterpret_cast<void* const*>(pointers.data_ptr());
+    args.target_type = target_type;
+    if (!launch(who, args, dy)) {
+      TORCH_CHECK(r == 0, who(), ": the grouped GEMM took the first targets but not the others");
+      return false;
+    }
+  }
+  if (!bias_targets.empty()) add_group_bias_grads(who, dy, splits, rounds_of(bias_targets));
+  return true;
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgrad(
@@ -76,6 +247,29 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor dy = detail::flatten_tokens(grad_output);
   const at::Tensor x = detail::flatten_tokens(input);
+  const int64_t groups = m_splits.numel(), out = dy.size(1), in = x.size(1);
+  if (grouped_kernels_take({dy, x}) && dy.size(0) > 0 && out > 0 && in > 0) {
+    // Fresh gradients: zeros, then the grouped kernel adds each group's sum (a group without rows
+    // keeps its zeros, as nn.Linear's backward gives it).
+    const at::Tensor splits = device_splits(who, m_splits, dy);
+    const at::Tensor weight_grads = at::zeros({groups, out, in}, input.options());
+    const at::Tensor bias_sums =
+        at::zeros({compute_bias_grad ? groups : 0, out}, input.options().dtype(at::kFloat));
+    std::vector<const void*> targets, bias_targets;
+    for (int64_t g = 0; g < groups; ++g) {
+      targets.push_back(weight_grads[g].data_ptr());
+      if (compute_bias_grad) bias_targets.push_back(bias_sums[g].data_ptr());
+    }
+    if (accumulate_grouped(who, dy, x, splits, targets, CUDA_R_16BF, bias_targets)) {
+      const at::Tensor bias_grads = bias_sums.to(input.scalar_type());
+      std::vector<at::Tensor> weight_list, bias_list;
+      for (int64_t g = 0; g < groups; ++g) {
+        weight_list.push_back(weight_grads[g]);
+        if (compute_bias_grad) bias_list.push_back(bias_grads[g]);
+      }
+      return {std::move(weight_list), std::move(bias_list)};
+    }
+  }
   const auto splits = host_splits(who, m_splits, x.size(0));
   std::vector<at::Tensor> weight_grads, bias_grads;
   int64_t offset = 0;
@@ -89,6 +283,42 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   return {std::move(weight_grads), std::move(bias_grads)};
 }
 
+// The targets of a grouped accumulation as the grouped kernel wants them, or nullopt: weight
+// targets all fp32 or all bf16, bias targets fp32, each contiguous and 16-byte aligned.
+struct GroupedTargets {
+  std::vector<const void*> weights, biases;
+  cudaDataType_t weight_type = CUDA_R_32F;
+};
+std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
+                                              const OptTensorList& bias_grads, int64_t groups) {
+  GroupedTargets targets;
+  std::optional<at::ScalarType> weight_dtype;
+  const auto present = [](const OptTensorList& list, int64_t g) -> std::optional<at::Tensor> {
+    if (list.empty()) return std::nullopt;
+    std::optional<at::Tensor> t = list.get(g);
+    return t.has_value() && t->defined() ? t : std::nullopt;
+  };
+  const auto fits = [](const at::Tensor& t) { return t.is_contiguous() && aligned16(t); };
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto weight = present(weight_grads, g);
+    if (weight.has_value()) {
+      const at::ScalarType dtype = weight->scalar_type();
+      if (!fits(*weight) || (dtype != at::kFloat && dtype != at::kBFloat16)) return std::nullopt;
+      if (weight_dtype.has_value() && *weight_dtype != dtype) return std::nullopt;
+      weight_dtype = dtype;
+    }
+    targets.weights.push_back(weight.has_value() ? weight->data_ptr() : nullptr);
+    const auto bias = present(bias_grads, g);
+    if (bias.has_value() && (!fits(*bias) || bias->scalar_type() != at::kFloat)) {
+      return std::nullopt;
+    }
+    targets.biases.push_back(bias.has_value() ? bias->data_ptr() : nullptr);
+  }
+  targets.weight_type = weight_dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+  if (bias_grads.empty()) targets.biases.clear();
+  return targets;
+}
+
 void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& input,
                                       const at::Tensor& m_splits, const OptTensorList& weight_grads,
                                       const OptTensorList& bias_grads) {
@@ -98,6 +328,15 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor dy = detail::flatten_tokens(grad_output);
   const at::Tensor x = detail::flatten_tokens(input);
+  if (grouped_kernels_take({dy, x})) {
+    if (dy.size(0) == 0 || dy.size(1) == 0 || x.size(1) == 0) return;  // adds zero
+    const auto targets = grouped_targets(weight_grads, bias_grads, m_splits.numel());
+    if (targets.has_value() &&
+        accumulate_grouped(who, dy, x, device_splits(who, m_splits, dy), targets->weights,
+                           targets->weight_type, targets->biases)) {
+      return;
+    }
+  }
   const auto splits = host_splits(who, m_splits, x.size(0));
   int64_t offset = 0;
   for (size_t i = 0; i < splits.size(); offset += splits[i], ++i) {

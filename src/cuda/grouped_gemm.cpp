@@ -1,0 +1,90 @@
+// Picks the SM90 grouped kernel for a product (cuda/sm90/, built where CUTLASS's headers and an
+// sm_90 target are at hand) and checks what the kernels need before launching.
+#include "cuda/grouped_gemm.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#ifdef SPLITGRAD_SM90_GROUPED_GEMM
+#include "cuda/sm90/grouped_gemm_sm90.h"
+#endif
+
+namespace splitgrad::cuda {
+namespace {
+
+bool aligned16(const void* pointer) { return reinterpret_cast<uintptr_t>(pointer) % 16 == 0; }
+
+#ifdef SPLITGRAD_SM90_GROUPED_GEMM
+struct Kernel {
+  cudaError_t (*run)(const GroupedGemmArgs&, cudaStream_t) = nullptr;
+  size_t (*workspace_bytes)(const GroupedGemmArgs&) = nullptr;
+};
+
+// SPLITGRAD_GROUPED_WGRAD_SCHEDULE=cooperative runs the fp32 wgrad on the cooperative kernel
+// instead of the ping-pong one, for benchmarks/bench_grouped.py to measure both.
+bool cooperative_fp32_wgrad() {
+  const char* schedule = std::getenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE");
+  return schedule != nullptr && std::strcmp(schedule, "cooperative") == 0;
+}
+
+Kernel kernel_for(const GroupedGemmArgs& args) {
+  switch (args.product) {
+    case GroupedProduct::fprop:
+      return {&sm90::fprop, &sm90::fprop_workspace_bytes};
+    case GroupedProduct::dgrad:
+      return {&sm90::dgrad, &sm90::dgrad_workspace_bytes};
+    case GroupedProduct::wgrad_accumulate:
+      if (args.target_type == CUDA_R_16BF) return {&sm90::wgrad_bf16, &sm90::wgrad_bf16_workspace_bytes};
+      if (args.target_type != CUDA_R_32F) return {};
+      if (cooperative_fp32_wgrad()) {
+        return {&sm90::wgrad_fp32_cooperative, &sm90::wgrad_fp32_cooperative_workspace_bytes};
+      }
+      return {&sm90::wgrad_fp32, &sm90::wgrad_fp32_workspace_bytes};
+  }
+  return {};
+}
+#endif
+
+}  // namespace
+
+bool grouped_gemm_runs_on(int major, int minor) {
+#ifdef SPLITGRAD_SM90_GROUPED_GEMM
+  return major == 9 && minor == 0;  // sm_90a code: Hopper only
+#else
+  (void)major;
+  (void)minor;
+  return false;
+#endif
+}
+
+size_t grouped_gemm_workspace_bytes(const GroupedGemmArgs& args) {
+#ifdef SPLITGRAD_SM90_GROUPED_GEMM
+  const Kernel kernel = kernel_for(args);
+  return kernel.workspace_bytes != nullptr ? kernel.workspace_bytes(args) : 0;
+#else
+  (void)args;
+  return 0;
+#endif
+}
+
+cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
+#ifdef SPLITGRAD_SM90_GROUPED_GEMM
+  const Kernel kernel = kernel_for(args);
+  // TMA: 16-byte aligned rows and bases; the problem sizes are 32-bit in the kernel.
+  const bool takes = kernel.run != nullptr && args.in_features % 8 == 0 &&
+                     args.out_features % 8 == 0 && args.rows < (int64_t{1} << 31) &&
+                     args.in_features < (int64_t{1} << 31) &&
+                     args.out_features < (int64_t{1} << 31) && aligned16(args.tokens) &&
+                     aligned16(args.tokens_in) && aligned16(args.out) &&
+                     aligned16(args.workspace) && args.groups < (int64_t{1} << 31);
+  if (!takes) return cudaErrorNotSupported;
+  return kernel.run(args, stream);
+#else
+  (void)args;
+  (void)stream;
+  return cudaErrorNotSupported;
+#endif
+}
+
+}  // namespace splitgrad::cuda

@@ -1,0 +1,64 @@
+#pragma once
+/// \file grouped_gemm.h
+/// The grouped linear products in one launch each, framework-free (pointers and a stream): the
+/// rows of a [rows, features] tensor are split into groups (experts) by a split tensor that stays
+/// on the device, and group g's rows go through its own weight. Nothing here reads the splits on
+/// the host, so a router's counts never force a synchronisation.
+///
+/// Built on CUTLASS's SM90 pointer-array grouped kernels (TMA + warp-specialised GMMA): a small
+/// kernel turns the splits into each group's problem size and pointers on the device, then one
+/// persistent kernel runs every group's tiles. Each output tile is computed by one block in a
+/// fixed order (no split-K, no atomics), so results are deterministic.
+///
+/// Splits are checked on the device: a negative split or splits that do not sum to `rows` stop
+/// the kernel with a device-side assertion (as PyTorch's indexing kernels check indices), before
+/// any memory outside the tensors is touched.
+
+#include <cuda_runtime.h>
+#include <library_types.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace splitgrad::cuda {
+
+/// Which product. Inputs are bf16, row-major with unit column stride and rows `features` apart.
+enum class GroupedProduct {
+  fprop,  ///< out[rows of g] = tokens[rows of g] · weights[g]ᵀ   (tokens [rows, in], out [rows, out])
+  dgrad,  ///< out[rows of g] = tokens[rows of g] · weights[g]    (tokens [rows, out], out [rows, in])
+  /// targets[g] += tokens[rows of g]ᵀ · tokens_in[rows of g]      (tokens = dy [rows, out],
+  /// tokens_in = x [rows, in], targets [out, in]); the sum in fp32, added in the target's type.
+  wgrad_accumulate,
+};
+
+struct GroupedGemmArgs {
+  GroupedProduct product = GroupedProduct::fprop;
+  int64_t groups = 0;
+  int64_t rows = 0;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  const int64_t* splits = nullptr;   ///< device, `groups` entries: the rows of each group, in order
+  const void* tokens = nullptr;      ///< fprop: x; dgrad and wgrad: dy
+  const void* tokens_in = nullptr;   ///< wgrad: x
+  const void* const* weights = nullptr;  ///< fprop, dgrad: device array of `groups` [out, in]
+  void* out = nullptr;                   ///< fprop: y [rows, out]; dgrad: dx [rows, in]
+  void* const* targets = nullptr;  ///< wgrad: device array of `groups` [out, in]; nullptr skips g
+  /// wgrad: the targets' type, CUDA_R_32F (fp32 main_grad) or CUDA_R_16BF. Two groups of one
+  /// launch must not share a target (the caller splits tied targets over launches).
+  cudaDataType_t target_type = CUDA_R_32F;
+  void* workspace = nullptr;  ///< grouped_gemm_workspace_bytes(*this) bytes, 16-byte aligned
+  int multiprocessors = 1;    ///< SMs the persistent kernel may use
+};
+
+/// Whether this build has the grouped kernels (compiled for sm_90a) and the device runs them.
+bool grouped_gemm_runs_on(int major, int minor);
+
+/// Scratch bytes grouped_gemm() needs for these arguments (pointers may still be null).
+size_t grouped_gemm_workspace_bytes(const GroupedGemmArgs& args);
+
+/// Launches the argument kernel and the grouped GEMM on `stream`. Returns cudaSuccess, the
+/// launch's error, or cudaErrorNotSupported where the kernel cannot take the arguments (a
+/// feature count not a multiple of 8, a pointer not 16-byte aligned, this device).
+cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream);
+
+}  // namespace splitgrad::cuda

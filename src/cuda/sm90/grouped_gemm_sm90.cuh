@@ -1,0 +1,236 @@
+#pragma once
+// One grouped product on CUTLASS's SM90 pointer-array kernel: the kernel type for a product's
+// layouts, and run<Product>(), which fills each group's problem size, pointers and strides on the
+// device from the split tensor and launches the persistent kernel. Included by one .cu per
+// product (grouped_gemm_fprop.cu, ...), so nvcc compiles the heavy kernels in parallel.
+//
+// Layouts (rows r of group g start at offset o_g, the sum of the earlier splits):
+//   fprop  M = r, N = out, K = in:  A = x[o_g:]  (row-major),   B = W_g as K-major,  D = y[o_g:]
+//   dgrad  M = r, N = in,  K = out: A = dy[o_g:] (row-major),   B = W_g as N-major,  D = dx[o_g:]
+//   wgrad  M = out, N = in, K = r:  A = dy[o_g:]ᵀ (M-major),    B = x[o_g:] (N-major),
+//          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue.
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+
+#include <cstdio>
+
+#include "cuda/grouped_gemm.h"
+
+namespace splitgrad::cuda::sm90 {
+
+using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int32_t, int32_t, int32_t>>;
+using Problem = ProblemShape::UnderlyingProblemShape;
+using Bf16 = cutlass::bfloat16_t;
+
+template <class LayoutA, class LayoutB, class ElementD, class TileShape, class ClusterShape,
+          bool Pingpong>
+struct GroupedKernel {
+  static constexpr int kAlignAB = 16 / sizeof(Bf16);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using KernelSchedule =
+      cute::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule =
+      cute::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                          cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD,
+      cutlass::layout::RowMajor*, kAlignD, ElementD, cutlass::layout::RowMajor*, kAlignD,
+      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignAB, Bf16,
+      LayoutB*, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// A pointer-array stride has one dynamic entry, the leading dimension; the others are static.
+template <class Stride>
+__device__ Stride leading_dimension(int64_t ld) {
+  Stride stride{};
+  if constexpr (cute::is_static_v<cute::remove_cvref_t<decltype(cute::get<0>(stride))>>) {
+    cute::get<1>(stride) = ld;
+  } else {
+    cute::get<0>(stride) = ld;
+  }
+  return stride;
+}
+
+// The per-group arguments in the workspace, each array 16-byte aligned (TMA descriptors are
+// built from these pointers).
+struct WorkspaceLayout {
+  size_t ptr_a = 0, ptr_b = 0, ptr_d = 0, stride_a = 0, stride_b = 0, stride_d = 0, problems = 0,
+         kernel = 0, total = 0;
+  template <class K>
+  static WorkspaceLayout of(int64_t groups, size_t kernel_bytes) {
+    const auto aligned = [](size_t bytes) { return (bytes + 15) / 16 * 16; };
+    const size_t g = static_cast<size_t>(groups);
+    WorkspaceLayout w;
+    size_t at = 0;
+    const auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at += aligned(bytes);
+      return here;
+    };
+    w.ptr_a = take(g * sizeof(void*));
+    w.ptr_b = take(g * sizeof(void*));
+    w.ptr_d = take(g * sizeof(void*));
+    w.stride_a = take(g * sizeof(typename K::StrideA));
+    w.stride_b = take(g * sizeof(typename K::StrideB));
+    w.stride_d = take(g * sizeof(typename K::StrideD));
+    w.problems = take(g * sizeof(Problem));
+    w.kernel = take(kernel_bytes);
+    w.total = at;
+    return w;
+  }
+};
+
+template <class K>
+struct GroupArrays {
+  const Bf16** a;
+  const Bf16** b;
+  typename K::Gemm::ElementD** d;
+  typename K::StrideA* stride_a;
+  typename K::StrideB* stride_b;
+  typename K::StrideD* stride_d;
+  Problem* problems;
+};
+
+// One block; thread g fills group g. The splits are checked here, before the GEMM reads a row: a
+// negative split or a total other than `rows` stops with a device-side assertion.
+template <class K, GroupedProduct kProduct>
+__global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
+  using ElementD = typename K::Gemm::ElementD;
+  __shared__ int bad;
+  if (threadIdx.x == 0) {
+    int64_t total = 0;
+    bad = 0;
+    for (int64_t g = 0; g < args.groups; ++g) {
+      const int64_t split = args.splits[g];
+      if (split < 0) {
+        printf("splitgrad grouped GEMM: m_splits[%lld] = %lld is negative\n",
+               static_cast<long long>(g), static_cast<long long>(split));
+        bad = 1;
+      }
+      total += split;
+    }
+    if (total != args.rows) {
+      printf("splitgrad grouped GEMM: m_splits sum to %lld, expected the input's %lld rows\n",
+             static_cast<long long>(total), static_cast<long long>(args.rows));
+      bad = 1;
+    }
+    if (bad) __assert_fail("m_splits are non-negative and sum to the rows", __FILE__, __LINE__,
+                           "splitgrad::cuda::sm90::fill_group_arrays");
+  }
+  __syncthreads();
+  if (bad) return;
+  const auto* tokens = static_cast<const Bf16*>(args.tokens);
+  const int64_t in = args.in_features, out_features = args.out_features;
+  for (int64_t g = threadIdx.x; g < args.groups; g += blockDim.x) {
+    int64_t offset = 0;  // groups are few (experts): the prefix sum per thread is cheap
+    for (int64_t j = 0; j < g; ++j) offset += args.splits[j];
+    const int rows = static_cast<int>(args.splits[g]);
+    if constexpr (kProduct == GroupedProduct::fprop) {
+      out.problems[g] = Problem(rows, out_features, in);
+      out.a[g] = tokens + offset * in;
+      out.b[g] = static_cast<const Bf16*>(args.weights[g]);
+      out.d[g] = static_cast<ElementD*>(args.out) + offset * out_features;
+      out.stride_a[g] = leading_dimension<typename K::StrideA>(in);
+      out.stride_b[g] = leading_dimension<typename K::StrideB>(in);
+      out.stride_d[g] = leading_dimension<typename K::StrideD>(out_features);
+    } else if constexpr (kProduct == GroupedProduct::dgrad) {
+      out.problems[g] = Problem(rows, in, out_features);
+      out.a[g] = tokens + offset * out_features;
+      out.b[g] = static_cast<const Bf16*>(args.weights[g]);
+      out.d[g] = static_cast<ElementD*>(args.out) + offset * in;
+      out.stride_a[g] = leading_dimension<typename K::StrideA>(out_features);
+      out.stride_b[g] = leading_dimension<typename K::StrideB>(in);
+      out.stride_d[g] = leading_dimension<typename K::StrideD>(in);
+    } else {
+      // A group without rows, or without a target in this launch, adds nothing: no tiles.
+      void* target = args.targets[g];
+      const bool runs = rows > 0 && target != nullptr;
+      out.problems[g] = runs ? Problem(out_features, in, rows) : Problem(0, in, 0);
+      out.a[g] = tokens + offset * out_features;
+      out.b[g] = static_cast<const Bf16*>(args.tokens_in) + offset * in;
+      out.d[g] = static_cast<ElementD*>(target);
+      out.stride_a[g] = leading_dimension<typename K::StrideA>(out_features);
+      out.stride_b[g] = leading_dimension<typename K::StrideB>(in);
+      out.stride_d[g] = leading_dimension<typename K::StrideD>(in);
+    }
+  }
+}
+
+template <class K>
+typename K::Gemm::Arguments kernel_arguments(const GroupedGemmArgs& args, GroupArrays<K> arrays,
+                                             float beta) {
+  typename K::Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {static_cast<int>(args.groups), arrays.problems, nullptr},
+      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+      {{}, const_cast<const typename K::Gemm::ElementD**>(arrays.d), arrays.stride_d, arrays.d,
+       arrays.stride_d}};
+  arguments.epilogue.thread.alpha = 1.0f;
+  arguments.epilogue.thread.beta = beta;
+  arguments.hw_info.sm_count = args.multiprocessors;
+  return arguments;
+}
+
+template <class K>
+GroupArrays<K> arrays_in(const GroupedGemmArgs& args, const WorkspaceLayout& w) {
+  char* base = static_cast<char*>(args.workspace);
+  return {reinterpret_cast<const Bf16**>(base + w.ptr_a),
+          reinterpret_cast<const Bf16**>(base + w.ptr_b),
+          reinterpret_cast<typename K::Gemm::ElementD**>(base + w.ptr_d),
+          reinterpret_cast<typename K::StrideA*>(base + w.stride_a),
+          reinterpret_cast<typename K::StrideB*>(base + w.stride_b),
+          reinterpret_cast<typename K::StrideD*>(base + w.stride_d),
+          reinterpret_cast<Problem*>(base + w.problems)};
+}
+
+template <class K>
+size_t workspace_bytes(const GroupedGemmArgs& args) {
+  const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
+  GroupedGemmArgs sized = args;
+  sized.workspace = nullptr;
+  const size_t kernel_bytes =
+      K::Gemm::get_workspace_size(kernel_arguments<K>(sized, arrays_in<K>(sized, none), 0.0f));
+  return WorkspaceLayout::of<K>(args.groups, kernel_bytes).total;
+}
+
+template <class K, GroupedProduct kProduct>
+cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
+  if (args.groups <= 0) return cudaSuccess;
+  const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
+  const float beta = kProduct == GroupedProduct::wgrad_accumulate ? 1.0f : 0.0f;
+  const size_t kernel_bytes =
+      K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
+  const WorkspaceLayout w = WorkspaceLayout::of<K>(args.groups, kernel_bytes);
+  const GroupArrays<K> arrays = arrays_in<K>(args, w);
+  fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays);
+  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
+  const auto arguments = kernel_arguments<K>(args, arrays, beta);
+  typename K::Gemm gemm;
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
+  if (gemm.initialize(arguments, static_cast<char*>(args.workspace) + w.kernel, stream) !=
+      cutlass::Status::kSuccess) {
+    return cudaErrorNotSupported;
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaGetLastError();
+  return cudaGetLastError();
+}
+
+}  // namespace splitgrad::cuda::sm90

@@ -1,0 +1,17 @@
+// grad += dyᵀ·x per group, bf16 targets: ping-pong 128x128 tiles.
+#include "cuda/sm90/grouped_gemm_sm90.cuh"
+#include "cuda/sm90/grouped_gemm_sm90.h"
+
+namespace splitgrad::cuda::sm90 {
+namespace {
+using Kernel = GroupedKernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Bf16,
+                             cute::Shape<cute::_128, cute::_128, cute::_64>, cute::Shape<cute::_2, cute::_1, cute::_1>, true>;
+}  // namespace
+
+size_t wgrad_bf16_workspace_bytes(const GroupedGemmArgs& args) { return workspace_bytes<Kernel>(args); }
+
+cudaError_t wgrad_bf16(const GroupedGemmArgs& args, cudaStream_t stream) {
+  return run<Kernel, GroupedProduct::wgrad_accumulate>(args, stream);
+}
+
+}  // namespace splitgrad::cuda::sm90

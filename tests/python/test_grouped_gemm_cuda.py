@@ -1,0 +1,244 @@
+"""GroupedLinear on the grouped GEMM kernels (Hopper, bf16, feature counts that are multiples of 8):
+one launch per product, the splits read on the device only.
+
+Compared against per-expert plain autograd (sg_helpers.RefGroupedLinear: F.linear per expert, as
+nn.Linear runs it) and a float64 twin: splitgrad's error against float64 stays within 2x PyTorch's
+own bf16 error. Delayed and immediate wgrad run the same kernels, so they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import splitgrad
+from sg_helpers import NO_CUDA, assert_grads_match, to_reference
+
+ops = torch.ops.splitgrad
+
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+pytestmark = pytest.mark.skipif(not HOPPER, reason=NO_CUDA + " (the grouped GEMM kernels need an SM 9.0 GPU)")
+
+IN, OUT = 64, 128
+SPLITS = {
+    "imbalanced-with-zeros": [300, 0, 17, 1, 0, 190, 5, 0],
+    "one-takes-all": [0, 0, 0, 513, 0, 0, 0, 0],
+    "no-rows": [0] * 8,
+    "odd": [3, 7, 1, 9, 2, 8, 5, 11],
+}
+
+
+def _layer(n=8, dtype=torch.bfloat16, in_features=IN, out_features=OUT, **kw):
+    torch.manual_seed(0)
+    return splitgrad.GroupedLinear(n, in_features, out_features, params_dtype=dtype, device="cuda", **kw)
+
+
+def _data(splits, in_features=IN, out_features=OUT, dtype=torch.bfloat16):
+    rows = sum(splits)
+    x = torch.randn(rows, in_features, device="cuda").to(dtype)
+    gy = torch.randn(rows, out_features, device="cuda").to(dtype)
+    return x, gy
+
+
+def _run(layer, x, gy, m_splits):
+    xr = x.detach().clone().requires_grad_()
+    y = layer(xr, m_splits)
+    y.backward(gy)
+    layer.backward_dw()
+    return y, xr.grad
+
+
+@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("splits_on", ["cuda", "cpu", "list"])
+def test_matches_per_expert_autograd(splits, bias, delay, splits_on):
+    layer = _layer(bias=bias, delay_wgrad_compute=delay)
+    reference, high = to_reference(layer), to_reference(layer, torch.float64)
+    x, gy = _data(splits)
+    m_splits = splits if splits_on == "list" else torch.tensor(splits, device=splits_on)
+    y, dx = _run(layer, x, gy, m_splits)
+    xr = x.detach().clone().requires_grad_()
+    y_ref = reference(xr, splits)
+    y_ref.backward(gy)
+    xh = x.double().requires_grad_()
+    y_high = high(xh, splits)
+    y_high.backward(gy.double())
+    for name, got, want, exact in (("y", y, y_ref, y_high), ("dx", dx, xr.grad, xh.grad)):
+        err = (got.double() - exact).abs().max().item() if got.numel() else 0.0
+        err_torch = (want.double() - exact).abs().max().item() if got.numel() else 0.0
+        floor = 2 * torch.finfo(torch.bfloat16).eps * (exact.abs().max().item() if got.numel() else 0.0)
+        assert err <= 2 * err_torch + floor, f"{name}: error {err:.3g}, PyTorch's {err_torch:.3g}"
+    assert_grads_match(layer, reference, exact=False, high_precision=high)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_delayed_equals_immediate_bit_for_bit(bias):
+    splits = SPLITS["imbalanced-with-zeros"]
+    x, gy = _data(splits)
+    grads = []
+    for delay in (False, True):
+        layer = _layer(bias=bias, delay_wgrad_compute=delay)
+        _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+        grads.append([p.grad for p in layer.parameters()])
+    for immediate, delayed in zip(*grads):
+        torch.testing.assert_close(delayed, immediate, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
+def test_fused_main_grad_fp32(bias, splits):
+    """bf16 experts, fp32 main_grad with an earlier value: each expert's sum is added in fp32 in the
+    GEMM's epilogue; closer to float64 than PyTorch's bf16 gradient added to it."""
+    layer = _layer(bias=bias, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    for p in layer.parameters():
+        p.main_grad = torch.randn(p.shape, device="cuda")
+        p.grad_added_to_main_grad = False
+    start = {name: p.main_grad.clone() for name, p in layer.named_parameters()}
+    reference, high = to_reference(layer), to_reference(layer, torch.float64)
+    x, gy = _data(splits)
+    _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+    reference(x, splits).backward(gy)
+    high(x.double(), splits).backward(gy.double())
+    for (name, p), p_ref, p_high in zip(layer.named_parameters(), reference.parameters(), high.parameters()):
+        assert p.grad is None and p.grad_added_to_main_grad
+        err = (p.main_grad.double() - p_high.grad).abs().max().item()
+        err_torch = (p_ref.grad.double() - p_high.grad).abs().max().item()
+        assert err <= err_torch + 1e-5, f"{name}: {err:.3g} vs PyTorch's {err_torch:.3g}"
+        if sum(splits) == 0:
+            torch.testing.assert_close(p.main_grad, start[name], rtol=0, atol=0)
+
+
+def test_fused_main_grad_matches_fp32_per_expert_sums():
+    """The fp32 accumulation itself: main_grad += dyᵀ·x in fp32 equals the per-expert fp32 product
+    of the same bf16 values to fp32 rounding."""
+    layer = _layer(bias=True, delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
+                   in_features=256, out_features=512)
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, device="cuda")
+    splits = [700, 0, 31, 1, 129, 0, 64, 99]
+    x, gy = _data(splits, 256, 512)
+    _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+    offset = 0
+    for i, rows in enumerate(splits):
+        dy_i, x_i = gy[offset:offset + rows].double(), x[offset:offset + rows].double()
+        offset += rows
+        torch.testing.assert_close(layer.weights[i].main_grad.double(), dy_i.t() @ x_i, rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(layer.biases[i].main_grad.double(), dy_i.sum(0), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+def test_tied_experts_add_up(fused):
+    """weight1 is weight5 (and bias1 is bias5): one target appears twice in a launch's groups, so
+    the launches are split and the tied target sums both experts."""
+    layer = _layer(delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    layer.weight5 = layer.weight1
+    layer.bias5 = layer.bias1
+    if fused:
+        for p in layer.parameters():
+            p.main_grad = torch.zeros(p.shape, device="cuda")
+    reference, high = to_reference(layer), to_reference(layer, torch.float64)
+    splits = SPLITS["imbalanced-with-zeros"]
+    x, gy = _data(splits)
+    _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+    reference(x, splits).backward(gy)
+    high(x.double(), splits).backward(gy.double())
+    assert_grads_match(layer, reference, exact=False, high_precision=high)
+
+
+def test_no_host_synchronisation_with_device_splits():
+    """A router's counts on the device: forward, backward and backward_dw (bias, fused fp32
+    main_grad) never wait for the device."""
+    layer = _layer(bias=True, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+    for p in layer.parameters():
+        p.main_grad = torch.zeros(p.shape, device="cuda")
+    splits = torch.tensor(SPLITS["imbalanced-with-zeros"], device="cuda")
+    x, gy = _data(SPLITS["imbalanced-with-zeros"])
+    x.requires_grad_()
+    _run(layer, x, gy, splits)  # warm-up: first-call allocations and kernel loading
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = layer(x, splits)
+        y.backward(gy)
+        layer.backward_dw()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_deterministic():
+    splits = SPLITS["imbalanced-with-zeros"]
+    x, gy = _data(splits)
+    results = []
+    for _ in range(2):
+        layer = _layer(bias=True, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
+        for p in layer.parameters():
+            p.main_grad = torch.zeros(p.shape, device="cuda")
+        y, dx = _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+        results.append([y, dx] + [p.main_grad for p in layer.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["strided-input", "misaligned-input", "odd-features"])
+def test_operands_the_kernels_do_not_take_fall_back(layout):
+    """A strided or misaligned input, or features that are not a multiple of 8, go through the
+    per-expert loop: the same gradients as per-expert autograd."""
+    in_features, out_features = (IN, OUT) if layout != "odd-features" else (60, 124)
+    layer = _layer(bias=True, delay_wgrad_compute=True, in_features=in_features, out_features=out_features)
+    reference, high = to_reference(layer), to_reference(layer, torch.float64)
+    splits = SPLITS["imbalanced-with-zeros"]
+    x, gy = _data(splits, in_features, out_features)
+    if layout == "strided-input":
+        x = torch.cat([x, x], dim=1)[:, ::2]
+    elif layout == "misaligned-input":
+        x = torch.cat([torch.zeros(1, device="cuda", dtype=x.dtype), x.flatten()])[1:].view_as(x)
+        assert x.data_ptr() % 16 != 0
+    _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+    reference(x, splits).backward(gy)
+    high(x.double(), splits).backward(gy.double())
+    assert_grads_match(layer, reference, exact=False, high_precision=high)
+
+
+def test_ops_wgrad_accumulate_into_bf16_targets():
+    """The bf16-target kernel: grads += dyᵀ·x (fp32 sum, added in fp32, rounded once)."""
+    splits = [100, 0, 28, 3, 0, 1, 64, 60]
+    x, gy = _data(splits)
+    targets = [torch.randn(OUT, IN, device="cuda").to(torch.bfloat16) for _ in splits]
+    start = [t.clone() for t in targets]
+    ops.grouped_linear_wgrad_accumulate_(gy, x, torch.tensor(splits, device="cuda"), targets, [])
+    offset = 0
+    for t, s, rows in zip(targets, start, splits):
+        want = s.double() + gy[offset:offset + rows].double().t() @ x[offset:offset + rows].double()
+        offset += rows
+        torch.testing.assert_close(t.double(), want, rtol=0.01, atol=0.05)
+        if rows == 0:
+            torch.testing.assert_close(t, s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", ["negative", "short-sum"])
+def test_bad_device_splits_stop_the_kernel(bad):
+    """Device splits cannot be checked on the host without a synchronisation: the kernel checks
+    them and stops with a device-side assertion that names the problem (in a child process: the
+    assertion ends the CUDA context)."""
+    splits = "[5, -2, 13]" if bad == "negative" else "[5, 2, 3]"
+    script = textwrap.dedent(f"""
+        import torch, splitgrad
+        layer = splitgrad.GroupedLinear(3, 64, 64, params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+        layer(x, torch.tensor({splits}, device="cuda"))
+        torch.cuda.synchronize()
+        print("NO ERROR")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "NO ERROR" not in output, output
+    expected = "is negative" if bad == "negative" else "m_splits sum to 10, expected the input's 16 rows"
+    assert expected in output, output
