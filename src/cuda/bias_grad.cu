@@ -36,15 +36,13 @@ __device__ __forceinline__ void add8_vectorized(const T* p, float (&acc)[kColsPe
   }
 }
 
+// Adds rows [row_begin + threadIdx.y, row_end) step kRowLanes of dy's columns col0 .. col0 + 7
+// into acc (this thread's share of a tile).
 template <typename T>
-__global__ void column_partial_sums(const T* __restrict__ dy, int64_t tokens, int64_t features,
-                                    int64_t ld, int64_t rows_per_block, bool vectorized,
-                                    float* __restrict__ partials) {
-  const int64_t col0 =
-      (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kColsPerThread;
-  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_block;
-  const int64_t row_end = min(tokens, row_begin + rows_per_block);
-  float acc[kColsPerThread] = {};
+__device__ __forceinline__ void sum_rows(const T* __restrict__ dy, int64_t row_begin,
+                                         int64_t row_end, int64_t features, int64_t ld,
+                                         int64_t col0, bool vectorized,
+                                         float (&acc)[kColsPerThread]) {
   // Two loops rather than a branch per row, so the vectorised one unrolls into 8 loads in flight.
   if (vectorized && col0 + kColsPerThread <= features) {
 #pragma unroll 8
@@ -60,8 +58,15 @@ __global__ void column_partial_sums(const T* __restrict__ dy, int64_t tokens, in
       }
     }
   }
-  // lanes[y][c]: row lane y's sum of the block's column c; +1 breaks the 8-way bank conflicts.
-  __shared__ float lanes[kRowLanes][kColsPerBlock + 1];
+}
+
+// lanes[y][c]: row lane y's sum of the block's column c; +1 breaks the 8-way bank conflicts.
+using TileLanes = float[kRowLanes][kColsPerBlock + 1];
+
+// The block's column sums: each thread's acc into `lanes`, then thread (x, y) adds the 8 lanes of
+// column y * 32 + x in order. Every thread of the block must call it.
+__device__ __forceinline__ float add_row_lanes(const float (&acc)[kColsPerThread],
+                                               TileLanes& lanes) {
 #pragma unroll
   for (int j = 0; j < kColsPerThread; ++j)
     lanes[threadIdx.y][threadIdx.x * kColsPerThread + j] = acc[j];
@@ -70,7 +75,23 @@ __global__ void column_partial_sums(const T* __restrict__ dy, int64_t tokens, in
   float sum = 0.0f;
 #pragma unroll
   for (int y = 0; y < kRowLanes; ++y) sum += lanes[y][c];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColsPerBlock + c;
+  return sum;
+}
+
+template <typename T>
+__global__ void column_partial_sums(const T* __restrict__ dy, int64_t tokens, int64_t features,
+                                    int64_t ld, int64_t rows_per_block, bool vectorized,
+                                    float* __restrict__ partials) {
+  const int64_t col0 =
+      (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kColsPerThread;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_block;
+  const int64_t row_end = min(tokens, row_begin + rows_per_block);
+  float acc[kColsPerThread] = {};
+  sum_rows(dy, row_begin, row_end, features, ld, col0, vectorized, acc);
+  __shared__ TileLanes lanes;
+  const float sum = add_row_lanes(acc, lanes);
+  const int64_t col =
+      static_cast<int64_t>(blockIdx.x) * kColsPerBlock + threadIdx.y * kThreadsX + threadIdx.x;
   if (col < features) partials[static_cast<int64_t>(blockIdx.y) * features + col] = sum;
 }
 
@@ -102,6 +123,120 @@ template <typename Out>
 __global__ void fill_zero_or_keep(int64_t features, Out* target, bool accumulate) {
   const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (col < features && !accumulate) target[col] = from_float<Out>(0.0f);
+}
+
+// ---- Grouped: the bias gradients of experts over consecutive segments of dy's rows ----
+
+constexpr int kOffsetThreads = 256;
+
+// offsets[0] = 0, offsets[g + 1] = min(rows, Σ_{h <= g} clamp(splits[h], 0, rows)): monotone and
+// within [0, rows] whatever the splits, so no later kernel reads outside dy. One block, a tile of
+// 256 groups at a time: an inclusive scan per warp by shuffles, then across the 8 warps.
+__global__ void group_offsets(const int64_t* __restrict__ splits, int64_t groups, int64_t rows,
+                              int64_t* __restrict__ offsets) {
+  __shared__ int64_t warp_totals[kOffsetThreads / 32];
+  __shared__ int64_t carry;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) {
+    offsets[0] = 0;
+    carry = 0;
+  }
+  __syncthreads();
+  for (int64_t base = 0; base < groups; base += kOffsetThreads) {
+    const int64_t g = base + threadIdx.x;
+    int64_t sum = g < groups ? min(max(splits[g], int64_t{0}), rows) : 0;
+#pragma unroll
+    for (int step = 1; step < 32; step *= 2) {
+      const int64_t below = __shfl_up_sync(0xffffffffu, sum, step);
+      if (lane >= step) sum += below;
+    }
+    if (lane == 31) warp_totals[warp] = sum;
+    __syncthreads();
+    for (int w = 0; w < warp; ++w) sum += warp_totals[w];
+    // sum <= 256 * rows and carry <= rows: no overflow for any tensor that fits in memory.
+    if (g < groups) offsets[g + 1] = min(rows, carry + sum);
+    __syncthreads();  // every thread has read carry and warp_totals
+    if (threadIdx.x == kOffsetThreads - 1) carry = min(rows, carry + sum);
+    __syncthreads();
+  }
+}
+
+// grid (column tiles, chunks): block (x, chunk) sums rows [chunk * rows_per_block, +
+// rows_per_block) of its 256 columns like column_partial_sums, but apart for each group the rows
+// belong to, into partials[chunk + g] (a distinct row for each chunk and group that overlap: for
+// two such pairs with chunk < chunk' and g > g', group g' would have a row after one of group g).
+// Groups with a null target are not summed.
+template <typename T>
+__global__ void grouped_column_partial_sums(const T* __restrict__ dy, int64_t rows,
+                                            int64_t features, int64_t ld, int64_t rows_per_block,
+                                            bool vectorized, const int64_t* __restrict__ offsets,
+                                            int64_t groups, void* const* __restrict__ targets,
+                                            float* __restrict__ partials) {
+  const int64_t col0 =
+      (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kColsPerThread;
+  const int64_t col =
+      static_cast<int64_t>(blockIdx.x) * kColsPerBlock + threadIdx.y * kThreadsX + threadIdx.x;
+  const int64_t chunk = blockIdx.y;
+  const int64_t chunk_begin = chunk * rows_per_block;
+  const int64_t chunk_end = min(rows, chunk_begin + rows_per_block);
+  // The first group ending after chunk_begin (groups if none): offsets[g + 1] > chunk_begin.
+  int64_t lo = 0, hi = groups;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (offsets[mid + 1] > chunk_begin) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  __shared__ TileLanes lanes;
+  // Every test below depends on g only: the whole block takes the same path (__syncthreads).
+  for (int64_t g = lo; g < groups && offsets[g] < chunk_end; ++g) {
+    const int64_t begin = max(offsets[g], chunk_begin), end = min(offsets[g + 1], chunk_end);
+    if (begin >= end || targets[g] == nullptr) continue;
+    float acc[kColsPerThread] = {};
+    sum_rows(dy, begin, end, features, ld, col0, vectorized, acc);
+    __syncthreads();  // the previous group's lanes have been read
+    const float sum = add_row_lanes(acc, lanes);
+    if (col < features) partials[(chunk + g) * features + col] = sum;
+  }
+}
+
+// Block (32 x 8 threads) = 32 columns; the groups in order: row lane y adds group g's partials of
+// chunks first + y, first + y + 8, ..., lane 0 adds the 8 lanes in order and writes target[g] as
+// finish_column_sums does. One thread writes all of a column's targets, in group order, so
+// groups sharing a target add up in sequence.
+template <typename Out>
+__global__ void grouped_finish_column_sums(const float* __restrict__ partials,
+                                           const int64_t* __restrict__ offsets, int64_t groups,
+                                           int64_t features, int64_t rows_per_block,
+                                           void* const* __restrict__ targets, bool accumulate) {
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x;
+  __shared__ float lanes[kRowLanes][kThreadsX + 1];
+  for (int64_t g = 0; g < groups; ++g) {
+    Out* const target = static_cast<Out*>(targets[g]);
+    if (target == nullptr) continue;
+    const int64_t begin = offsets[g], end = offsets[g + 1];
+    if (begin >= end) {  // no rows: nothing to add, zeros to write
+      if (!accumulate && threadIdx.y == 0 && col < features) target[col] = from_float<Out>(0.0f);
+      continue;
+    }
+    const int64_t first = begin / rows_per_block, last = (end - 1) / rows_per_block;
+    float sum = 0.0f;
+    if (col < features) {
+      for (int64_t chunk = first + threadIdx.y; chunk <= last; chunk += kRowLanes)
+        sum += partials[(chunk + g) * features + col];
+    }
+    __syncthreads();  // the previous group's lanes have been read
+    lanes[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y != 0 || col >= features) continue;
+    float total = 0.0f;
+#pragma unroll
+    for (int y = 0; y < kRowLanes; ++y) total += lanes[y][threadIdx.x];
+    const Out rounded = from_float<Out>(total);
+    target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
+  }
 }
 
 struct Tiling {
@@ -162,6 +297,58 @@ cudaError_t launch_for_input(const BiasGradArgs& a, cudaStream_t stream) {
   }
 }
 
+// The grouped workspace: the groups + 1 row offsets, then (chunks + groups - 1) x cols partials.
+struct GroupedLayout {
+  Tiling tiling;
+  size_t offsets_bytes, partials_bytes;
+};
+
+GroupedLayout grouped_layout(int64_t rows, int64_t cols, int64_t groups, int multiprocessors) {
+  GroupedLayout l;
+  l.tiling = tiling_for(rows, cols, multiprocessors);
+  l.offsets_bytes = (static_cast<size_t>(groups + 1) * sizeof(int64_t) + 255) / 256 * 256;
+  l.partials_bytes = static_cast<size_t>((l.tiling.chunks + groups - 1) * cols) * sizeof(float);
+  return l;
+}
+
+template <typename T, typename Out>
+cudaError_t grouped_launch(const GroupedBiasGradArgs& a, cudaStream_t stream) {
+  const GroupedLayout l = grouped_layout(a.rows, a.cols, a.groups, a.multiprocessors);
+  auto* const offsets = static_cast<int64_t*>(a.workspace);
+  auto* const partials =
+      reinterpret_cast<float*>(static_cast<char*>(a.workspace) + l.offsets_bytes);
+  group_offsets<<<1, kOffsetThreads, 0, stream>>>(a.splits, a.groups, a.rows, offsets);
+  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  if (a.rows > 0) {
+    const bool vectorized = reinterpret_cast<uintptr_t>(a.dy) % 16 == 0 &&
+                            (a.ld * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+    const dim3 grid(static_cast<unsigned>(l.tiling.column_blocks),
+                    static_cast<unsigned>(l.tiling.chunks));
+    grouped_column_partial_sums<T><<<grid, dim3(kThreadsX, kRowLanes), 0, stream>>>(
+        static_cast<const T*>(a.dy), a.rows, a.cols, a.ld, l.tiling.rows_per_block, vectorized,
+        offsets, a.groups, a.targets, partials);
+    if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  }
+  const unsigned finish_blocks = static_cast<unsigned>((a.cols + kThreadsX - 1) / kThreadsX);
+  grouped_finish_column_sums<Out><<<finish_blocks, dim3(kThreadsX, kRowLanes), 0, stream>>>(
+      partials, offsets, a.groups, a.cols, l.tiling.rows_per_block, a.targets, a.accumulate);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t grouped_launch_for_input(const GroupedBiasGradArgs& a, cudaStream_t stream) {
+  switch (a.target_type) {
+    case CUDA_R_32F:
+      return grouped_launch<T, float>(a, stream);
+    case CUDA_R_16BF:
+      return grouped_launch<T, __nv_bfloat16>(a, stream);
+    case CUDA_R_16F:
+      return grouped_launch<T, __half>(a, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
 
 size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features, int multiprocessors) {
@@ -182,6 +369,35 @@ cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream) {
       return launch_for_input<__nv_bfloat16>(args, stream);
     case CUDA_R_16F:
       return launch_for_input<__half>(args, stream);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t groups,
+                                         int multiprocessors) {
+  if (rows < 0 || cols <= 0 || groups <= 0) return 0;
+  const GroupedLayout l = grouped_layout(rows, cols, groups, multiprocessors);
+  return l.offsets_bytes + l.partials_bytes;
+}
+
+cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stream) {
+  if (args.rows < 0 || args.cols < 0 || args.groups < 0 || (args.rows > 0 && args.ld < args.cols)) {
+    return cudaErrorInvalidValue;
+  }
+  if (args.cols == 0 || args.groups == 0) return cudaSuccess;
+  if (args.splits == nullptr || args.targets == nullptr || args.workspace == nullptr ||
+      (args.rows > 0 && args.dy == nullptr) ||
+      reinterpret_cast<uintptr_t>(args.workspace) % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  switch (args.dy_type) {
+    case CUDA_R_32F:
+      return grouped_launch_for_input<float>(args, stream);
+    case CUDA_R_16BF:
+      return grouped_launch_for_input<__nv_bfloat16>(args, stream);
+    case CUDA_R_16F:
+      return grouped_launch_for_input<__half>(args, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -1,7 +1,8 @@
 #pragma once
 /// \file bias_grad.h
-/// The bias gradient of a linear layer, db = Σ_tokens dy, as a column sum of dy: framework-free
-/// (pointers and a stream), deterministic (fixed summation order, no atomics), fp32 accumulation.
+/// The bias gradient of a linear layer, db = Σ_tokens dy, as a column sum of dy (and of grouped
+/// experts, a column sum per segment of dy's rows): framework-free (pointers and a stream),
+/// deterministic (fixed summation order, no atomics), fp32 accumulation.
 ///
 /// Two launches: each block sums a tile of `rows_per_block` rows x 256 columns into fp32
 /// partial sums (16-byte loads where dy's rows allow), then 8 threads per column add the
@@ -39,5 +40,44 @@ size_t bias_grad_workspace_bytes(int64_t tokens, int64_t features, int multiproc
 /// cudaErrorInvalidValue for an element type not listed above.
 /// tokens == 0 writes zeros (or adds nothing); features == 0 launches nothing.
 cudaError_t bias_grad(const BiasGradArgs& args, cudaStream_t stream);
+
+/// Arguments of grouped_bias_grad(): the bias gradients of `groups` experts (MoE) whose rows are
+/// consecutive segments of one dy, rows [offset_g, offset_g + splits[g]) for group g, in one pass
+/// over dy. Element types as for BiasGradArgs.
+struct GroupedBiasGradArgs {
+  const void* dy = nullptr;  ///< [rows, cols], row-major, row stride `ld` (elements)
+  cudaDataType_t dy_type = CUDA_R_32F;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t ld = 0;
+  /// [groups] int64 row counts on the device, read only there (no host synchronisation). They are
+  /// clamped, never read out of bounds: a negative split counts as 0, rows past `rows` are not
+  /// read (splits summing to more), and rows past the splits' sum belong to no group.
+  const int64_t* splits = nullptr;
+  int64_t groups = 0;
+  /// Device array of `groups` pointers to [cols] contiguous targets of `target_type`; a null entry
+  /// skips its group. Groups sharing a target (tied experts) reach it in group order.
+  void* const* targets = nullptr;
+  cudaDataType_t target_type = CUDA_R_32F;
+  /// `target += Σ dy[group's rows]` (a group without rows adds nothing), or `target = Σ ...`
+  /// (zeros for a group without rows).
+  bool accumulate = true;
+  void* workspace = nullptr;  ///< at least grouped_bias_grad_workspace_bytes(), 16-byte aligned
+  int multiprocessors = 1;    ///< the device's SM count: the tiling keeps every SM busy
+};
+
+/// Scratch bytes grouped_bias_grad() needs for these sizes (the groups' row offsets and fp32
+/// partial sums).
+size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t groups,
+                                         int multiprocessors);
+
+/// Launches three kernels on `stream`: the groups' row offsets from the splits; fp32 partial sums
+/// of tiles of rows (the tiling of bias_grad(), over all rows whatever the routing, so imbalanced
+/// groups keep every SM busy; a tile crossing a group boundary sums each group's part apart); and
+/// per column, the groups' partials added in a fixed order and written in group order.
+/// Deterministic, no atomics. Returns the launch's error (cudaSuccess if none), or
+/// cudaErrorInvalidValue for bad sizes, a missing pointer or an element type not listed above.
+/// cols == 0 or groups == 0 launches nothing.
+cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stream);
 
 }  // namespace splitgrad::cuda
