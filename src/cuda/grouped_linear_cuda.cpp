@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_map>
 
@@ -106,18 +107,31 @@ at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
 }
 
 // Each group's bias gradient from its rows of dy, in one pass over dy (cuda/bias_grad.h), added
-// to fp32 targets (nullptr skips a group). Tied targets go in separate launches, in group order.
+// to `targets` (one per group of `target_type`, nullptr skips a group; tied targets are reached in
+// group order by the kernel itself).
 void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tensor& splits,
-                                  const std::vector<std::vector<const void*>>& rounds) {
-  for (const auto& targets : rounds) {
-    const at::Tensor pointers = device_pointers(targets, dy);
-    const cudaError_t status = cuda::grouped_bias_grad_accumulate(
-        dy.data_ptr(), CUDA_R_16BF, dy.size(0), dy.size(1), splits.data_ptr<int64_t>(),
-        splits.numel(), reinterpret_cast<float* const*>(pointers.data_ptr()),
-        at::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(status == cudaSuccess, who(), ": the grouped bias gradient kernel failed (",
-                cudaGetErrorString(status), ")");
-  }
+                          const std::vector<const void*>& targets, cudaDataType_t target_type) {
+  const at::Tensor pointers = device_pointers(targets, dy);
+  cuda::GroupedBiasGradArgs args;
+  args.dy = dy.data_ptr();
+  args.dy_type = CUDA_R_16BF;
+  args.rows = dy.size(0);
+  args.cols = dy.size(1);
+  args.ld = dy.size(1);
+  args.splits = splits.data_ptr<int64_t>();
+  args.groups = splits.numel();
+  args.targets = reinterpret_cast<void* const*>(pointers.data_ptr());
+  args.target_type = target_type;
+  args.accumulate = true;
+  args.multiprocessors = at::cuda::getDeviceProperties(dy.device().index())->multiProcessorCount;
+  const at::Tensor workspace = at::empty(
+      {static_cast<int64_t>(cuda::grouped_bias_grad_workspace_bytes(args.rows, args.cols, args.groups,
+                                                                    args.multiprocessors))},
+      dy.options().dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
+  const cudaError_t status = cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status == cudaSuccess, who(), ": the grouped bias gradient kernel failed (",
+              cudaGetErrorString(status), ")");
 }
 
 // The targets split into launches so that no launch has one target twice (tied experts): round r
@@ -214,12 +228,12 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
 }
 
 // The grouped kernel's weight gradients added to `targets` (one per group, nullptr skips it; all
-// contiguous, 16-byte aligned, of `target_type`), and the bias gradients to `bias_targets` (fp32,
-// or none). False where the kernel does not take them; nothing has run then.
+// contiguous, 16-byte aligned, of `target_type`), and the bias gradients to `bias_targets` (of
+// `bias_type`, or none). False where the kernel does not take them; nothing has run then.
 bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor& x,
                         const at::Tensor& splits, const std::vector<const void*>& targets,
-                        cudaDataType_t target_type,
-                        const std::vector<const void*>& bias_targets) {
+                        cudaDataType_t target_type, const std::vector<const void*>& bias_targets,
+                        cudaDataType_t bias_type) {
   const auto weight_rounds = rounds_of(targets);
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
     const at::Tensor pointers = device_pointers(weight_rounds[r], dy);
@@ -234,7 +248,9 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
       return false;
     }
   }
-  if (!bias_targets.empty()) add_group_bias_grads(who, dy, splits, rounds_of(bias_targets));
+  const bool any_bias = std::any_of(bias_targets.begin(), bias_targets.end(),
+                                   [](const void* target) { return target != nullptr; });
+  if (any_bias) add_group_bias_grads(who, dy, splits, bias_targets, bias_type);
   return true;
 }
 
@@ -260,7 +276,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
       targets.push_back(weight_grads[g].data_ptr());
       if (compute_bias_grad) bias_targets.push_back(bias_sums[g].data_ptr());
     }
-    if (accumulate_grouped(who, dy, x, splits, targets, CUDA_R_16BF, bias_targets)) {
+    if (accumulate_grouped(who, dy, x, splits, targets, CUDA_R_16BF, bias_targets, CUDA_R_32F)) {
       const at::Tensor bias_grads = bias_sums.to(input.scalar_type());
       std::vector<at::Tensor> weight_list, bias_list;
       for (int64_t g = 0; g < groups; ++g) {
@@ -283,39 +299,40 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   return {std::move(weight_grads), std::move(bias_grads)};
 }
 
-// The targets of a grouped accumulation as the grouped kernel wants them, or nullopt: weight
-// targets all fp32 or all bf16, bias targets fp32, each contiguous and 16-byte aligned.
+// The targets of a grouped accumulation as the grouped kernels want them, or nullopt: weight
+// targets all fp32 or all bf16, bias targets likewise, each contiguous and 16-byte aligned.
 struct GroupedTargets {
   std::vector<const void*> weights, biases;
-  cudaDataType_t weight_type = CUDA_R_32F;
+  cudaDataType_t weight_type = CUDA_R_32F, bias_type = CUDA_R_32F;
 };
 std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
                                               const OptTensorList& bias_grads, int64_t groups) {
-  GroupedTargets targets;
-  std::optional<at::ScalarType> weight_dtype;
-  const auto present = [](const OptTensorList& list, int64_t g) -> std::optional<at::Tensor> {
-    if (list.empty()) return std::nullopt;
-    std::optional<at::Tensor> t = list.get(g);
-    return t.has_value() && t->defined() ? t : std::nullopt;
+  // The pointers of one list's present entries, and their one dtype; false where they don't fit.
+  const auto collect = [groups](const OptTensorList& list, std::vector<const void*>& pointers,
+                                cudaDataType_t& type) {
+    std::optional<at::ScalarType> dtype;
+    for (int64_t g = 0; g < groups && !list.empty(); ++g) {
+      const std::optional<at::Tensor> t = list.get(g);
+      if (!t.has_value() || !t->defined()) {
+        pointers.push_back(nullptr);
+        continue;
+      }
+      const at::ScalarType d = t->scalar_type();
+      if (!t->is_contiguous() || !aligned16(*t) || (d != at::kFloat && d != at::kBFloat16) ||
+          (dtype.has_value() && *dtype != d)) {
+        return false;
+      }
+      dtype = d;
+      pointers.push_back(t->data_ptr());
+    }
+    type = dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
+    return true;
   };
-  const auto fits = [](const at::Tensor& t) { return t.is_contiguous() && aligned16(t); };
-  for (int64_t g = 0; g < groups; ++g) {
-    const auto weight = present(weight_grads, g);
-    if (weight.has_value()) {
-      const at::ScalarType dtype = weight->scalar_type();
-      if (!fits(*weight) || (dtype != at::kFloat && dtype != at::kBFloat16)) return std::nullopt;
-      if (weight_dtype.has_value() && *weight_dtype != dtype) return std::nullopt;
-      weight_dtype = dtype;
-    }
-    targets.weights.push_back(weight.has_value() ? weight->data_ptr() : nullptr);
-    const auto bias = present(bias_grads, g);
-    if (bias.has_value() && (!fits(*bias) || bias->scalar_type() != at::kFloat)) {
-      return std::nullopt;
-    }
-    targets.biases.push_back(bias.has_value() ? bias->data_ptr() : nullptr);
+  GroupedTargets targets;
+  if (!collect(weight_grads, targets.weights, targets.weight_type) ||
+      !collect(bias_grads, targets.biases, targets.bias_type)) {
+    return std::nullopt;
   }
-  targets.weight_type = weight_dtype == at::kBFloat16 ? CUDA_R_16BF : CUDA_R_32F;
-  if (bias_grads.empty()) targets.biases.clear();
   return targets;
 }
 
@@ -333,7 +350,7 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
     const auto targets = grouped_targets(weight_grads, bias_grads, m_splits.numel());
     if (targets.has_value() &&
         accumulate_grouped(who, dy, x, device_splits(who, m_splits, dy), targets->weights,
-                           targets->weight_type, targets->biases)) {
+                           targets->weight_type, targets->biases, targets->bias_type)) {
       return;
     }
   }
