@@ -77,7 +77,7 @@ cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
                      args.in_features < (int64_t{1} << 31) &&
                      args.out_features < (int64_t{1} << 31) && aligned16(args.tokens) &&
                      aligned16(args.tokens_in) && aligned16(args.out) &&
-                     aligned16(args.workspace) && args.groups < (int64_t{1} << 31);
+                     reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0 && args.groups < (int64_t{1} << 31);
   if (!takes) return cudaErrorNotSupported;
   return kernel.run(args, stream);
 #else

@@ -46,7 +46,7 @@ struct GroupedGemmArgs {
   /// wgrad: the targets' type, CUDA_R_32F (fp32 main_grad) or CUDA_R_16BF. Two groups of one
   /// launch must not share a target (the caller splits tied targets over launches).
   cudaDataType_t target_type = CUDA_R_32F;
-  void* workspace = nullptr;  ///< grouped_gemm_workspace_bytes(*this) bytes, 16-byte aligned
+  void* workspace = nullptr;  ///< grouped_gemm_workspace_bytes(*this) bytes, 256-byte aligned
   int multiprocessors = 1;    ///< SMs the persistent kernel may use
 };
 

@@ -69,14 +69,14 @@ __device__ Stride leading_dimension(int64_t ld) {
   return stride;
 }
 
-// The per-group arguments in the workspace, each array 16-byte aligned (TMA descriptors are
-// built from these pointers).
+// The per-group arguments in the workspace, then the kernel's own workspace (which holds TMA
+// descriptors: those need 128-byte alignment), each part 256-byte aligned.
 struct WorkspaceLayout {
   size_t ptr_a = 0, ptr_b = 0, ptr_d = 0, stride_a = 0, stride_b = 0, stride_d = 0, problems = 0,
          kernel = 0, total = 0;
   template <class K>
   static WorkspaceLayout of(int64_t groups, size_t kernel_bytes) {
-    const auto aligned = [](size_t bytes) { return (bytes + 15) / 16 * 16; };
+    const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
     const size_t g = static_cast<size_t>(groups);
     WorkspaceLayout w;
     size_t at = 0;
