@@ -137,6 +137,21 @@ TEST_F(GroupedBiasGrad, GroupsSharingATargetAddUpInOrder) {
   const at::Tensor want = start + rows_sum(dy, 0, 1000) + rows_sum(dy, 1500, 3000);
   EXPECT_TRUE(at::allclose(shared, want, 1e-4, 1e-3));
   EXPECT_TRUE(at::allclose(other, rows_sum(dy, 1000, 1500), 1e-4, 1e-3));
+
+  // More groups than one tile of 256 (offsets scan, sharing across tiles): 600 groups of 5 rows,
+  // groups 10, 300 and 599 sharing one target.
+  const std::vector<int64_t> splits(600, 5);
+  std::vector<at::Tensor> targets;
+  for (int g = 0; g < 600; ++g) targets.push_back(at::zeros({256}, dy.options()));
+  targets[300] = targets[599] = targets[10];
+  run(dy, splits, targets, /*accumulate=*/true);
+  for (int g = 0; g < 600; ++g) {
+    const at::Tensor want =
+        g == 10 || g == 300 || g == 599
+            ? rows_sum(dy, 50, 55) + rows_sum(dy, 1500, 1505) + rows_sum(dy, 2995, 3000)
+            : rows_sum(dy, 5 * g, 5 * g + 5);
+    EXPECT_TRUE(at::allclose(targets[g], want, 1e-4, 1e-3)) << "group " << g;
+  }
 }
 
 TEST_F(GroupedBiasGrad, LowPrecisionTargetsAreRoundedAsTheSingleLayerKernel) {
