@@ -202,40 +202,71 @@ __global__ void grouped_column_partial_sums(const T* __restrict__ dy, int64_t ro
   }
 }
 
-// Block (32 x 8 threads) = 32 columns; the groups in order: row lane y adds group g's partials of
-// chunks first + y, first + y + 8, ..., lane 0 adds the 8 lanes in order and writes target[g] as
-// finish_column_sums does. One thread writes all of a column's targets, in group order, so
-// groups sharing a target add up in sequence.
+// Group g's sum of 32 columns, row lane y adding its partials of chunks first + y, first + y + 8,
+// ..., then lane 0 the 8 lanes in order, written into `target` as finish_column_sums does (zeros
+// for a group without rows when overwriting). Every thread of the block must call it.
+template <typename Out>
+__device__ __forceinline__ void finish_group(const float* __restrict__ partials,
+                                             const int64_t* __restrict__ offsets, int64_t g,
+                                             int64_t features, int64_t rows_per_block, int64_t col,
+                                             Out* target, bool accumulate,
+                                             float (&lanes)[kRowLanes][kThreadsX + 1]) {
+  const int64_t begin = offsets[g], end = offsets[g + 1];
+  if (begin >= end) {  // no rows: nothing to add, zeros to write
+    if (!accumulate && threadIdx.y == 0 && col < features) target[col] = from_float<Out>(0.0f);
+    return;
+  }
+  const int64_t first = begin / rows_per_block, last = (end - 1) / rows_per_block;
+  float sum = 0.0f;
+  if (col < features) {
+#pragma unroll 4
+    for (int64_t chunk = first + threadIdx.y; chunk <= last; chunk += kRowLanes)
+      sum += partials[(chunk + g) * features + col];
+  }
+  __syncthreads();  // the previous group's lanes have been read
+  lanes[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y != 0 || col >= features) return;
+  float total = 0.0f;
+#pragma unroll
+  for (int y = 0; y < kRowLanes; ++y) total += lanes[y][threadIdx.x];
+  const Out rounded = from_float<Out>(total);
+  target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
+}
+
+// grid (column blocks of 32, groups): block (x, g) finishes group g's 32 columns, in parallel
+// with the other groups. A target shared by several groups (tied experts) is written by the
+// block of the first of them only, which adds the groups sharing it in group order.
 template <typename Out>
 __global__ void grouped_finish_column_sums(const float* __restrict__ partials,
                                            const int64_t* __restrict__ offsets, int64_t groups,
                                            int64_t features, int64_t rows_per_block,
                                            void* const* __restrict__ targets, bool accumulate) {
+  const int64_t g = blockIdx.y;
+  void* const target = targets[g];
+  if (target == nullptr) return;
+  constexpr int kThreads = kThreadsX * kRowLanes;
+  const int t = threadIdx.y * kThreadsX + threadIdx.x;  // warp threadIdx.y, lane threadIdx.x
+  bool earlier = false;
+  for (int64_t h = t; h < g; h += kThreads) earlier |= targets[h] == target;
+  if (__syncthreads_or(earlier)) return;  // an earlier group's block writes this target
+
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x;
   __shared__ float lanes[kRowLanes][kThreadsX + 1];
-  for (int64_t g = 0; g < groups; ++g) {
-    Out* const target = static_cast<Out*>(targets[g]);
-    if (target == nullptr) continue;
-    const int64_t begin = offsets[g], end = offsets[g + 1];
-    if (begin >= end) {  // no rows: nothing to add, zeros to write
-      if (!accumulate && threadIdx.y == 0 && col < features) target[col] = from_float<Out>(0.0f);
-      continue;
-    }
-    const int64_t first = begin / rows_per_block, last = (end - 1) / rows_per_block;
-    float sum = 0.0f;
-    if (col < features) {
-      for (int64_t chunk = first + threadIdx.y; chunk <= last; chunk += kRowLanes)
-        sum += partials[(chunk + g) * features + col];
-    }
-    __syncthreads();  // the previous group's lanes have been read
-    lanes[threadIdx.y][threadIdx.x] = sum;
+  __shared__ unsigned sharing[kRowLanes];  // bit i of word w: group base + 32 w + i, same target
+  for (int64_t base = g; base < groups; base += kThreads) {
+    const unsigned bits =
+        __ballot_sync(0xffffffffu, base + t < groups && targets[base + t] == target);
+    __syncthreads();  // the previous tile's words have been read
+    if (threadIdx.x == 0) sharing[threadIdx.y] = bits;
     __syncthreads();
-    if (threadIdx.y != 0 || col >= features) continue;
-    float total = 0.0f;
-#pragma unroll
-    for (int y = 0; y < kRowLanes; ++y) total += lanes[y][threadIdx.x];
-    const Out rounded = from_float<Out>(total);
-    target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
+    // The words are in shared memory: every thread walks the same groups (finish_group syncs).
+    for (int w = 0; w < kRowLanes; ++w) {
+      for (unsigned m = sharing[w]; m != 0; m &= m - 1) {
+        finish_group(partials, offsets, base + 32 * w + __ffs(m) - 1, features, rows_per_block, col,
+                     static_cast<Out*>(target), accumulate, lanes);
+      }
+    }
   }
 }
 
@@ -329,8 +360,9 @@ cudaError_t grouped_launch(const GroupedBiasGradArgs& a, cudaStream_t stream) {
         offsets, a.groups, a.targets, partials);
     if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
   }
-  const unsigned finish_blocks = static_cast<unsigned>((a.cols + kThreadsX - 1) / kThreadsX);
-  grouped_finish_column_sums<Out><<<finish_blocks, dim3(kThreadsX, kRowLanes), 0, stream>>>(
+  const dim3 finish_grid(static_cast<unsigned>((a.cols + kThreadsX - 1) / kThreadsX),
+                         static_cast<unsigned>(a.groups));
+  grouped_finish_column_sums<Out><<<finish_grid, dim3(kThreadsX, kRowLanes), 0, stream>>>(
       partials, offsets, a.groups, a.cols, l.tiling.rows_per_block, a.targets, a.accumulate);
   return cudaGetLastError();
 }

@@ -74,9 +74,10 @@ size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t gro
 /// Launches three kernels on `stream`: the groups' row offsets from the splits; fp32 partial sums
 /// of tiles of rows (the tiling of bias_grad(), over all rows whatever the routing, so imbalanced
 /// groups keep every SM busy; a tile crossing a group boundary sums each group's part apart); and
-/// per column, the groups' partials added in a fixed order and written in group order.
-/// Deterministic, no atomics. Returns the launch's error (cudaSuccess if none), or
-/// cudaErrorInvalidValue for bad sizes, a missing pointer or an element type not listed above.
+/// each group's partials added in a fixed order and written (the groups in parallel, but the
+/// groups sharing a target one after the other, in group order). Deterministic, no atomics.
+/// Returns the launch's error (cudaSuccess if none), or cudaErrorInvalidValue for bad sizes (more
+/// than 65535 groups), a missing pointer or an element type not listed above.
 /// cols == 0 or groups == 0 launches nothing.
 cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stream);
 

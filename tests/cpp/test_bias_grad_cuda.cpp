@@ -1,0 +1,211 @@
+// The grouped bias-gradient kernel (src/cuda/bias_grad.cu) called directly, against per-group fp32
+// sums from ATen: imbalanced and empty groups, skipped and shared targets, clamped splits, both
+// modes, every target type; and one group is bitwise the single-layer kernel. Needs a GPU (skipped
+// without one).
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "cuda/bias_grad.h"
+
+namespace {
+
+using splitgrad::cuda::GroupedBiasGradArgs;
+
+cudaDataType_t cuda_type(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return CUDA_R_32F;
+    case at::kBFloat16:
+      return CUDA_R_16BF;
+    default:
+      return CUDA_R_16F;
+  }
+}
+
+class GroupedBiasGrad : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!at::cuda::is_available()) GTEST_SKIP() << "no CUDA device: the kernel cannot run here";
+  }
+
+  // Runs the kernel on dy's rows split by `splits` into `targets` (an undefined tensor: null).
+  static void run(const at::Tensor& dy, const std::vector<int64_t>& splits,
+                  const std::vector<at::Tensor>& targets, bool accumulate) {
+    const auto device = dy.options();
+    std::vector<int64_t> pointers;
+    for (const at::Tensor& t : targets) {
+      pointers.push_back(t.defined() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0);
+    }
+    const at::Tensor splits_device = at::tensor(splits, at::kLong).to(dy.device());
+    const at::Tensor targets_device = at::tensor(pointers, at::kLong).to(dy.device());
+    GroupedBiasGradArgs args;
+    args.dy = dy.data_ptr();
+    args.dy_type = cuda_type(dy.scalar_type());
+    args.rows = dy.size(0), args.cols = dy.size(1), args.ld = dy.stride(0);
+    args.splits = splits_device.data_ptr<int64_t>();
+    args.groups = static_cast<int64_t>(splits.size());
+    args.targets = reinterpret_cast<void* const*>(targets_device.data_ptr<int64_t>());
+    for (const at::Tensor& t : targets) {
+      if (t.defined()) args.target_type = cuda_type(t.scalar_type());
+    }
+    args.accumulate = accumulate;
+    args.multiprocessors = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const at::Tensor workspace =
+        at::empty({static_cast<int64_t>(splitgrad::cuda::grouped_bias_grad_workspace_bytes(
+                      args.rows, args.cols, args.groups, args.multiprocessors))},
+                  device.dtype(at::kByte));
+    args.workspace = workspace.data_ptr();
+    ASSERT_EQ(splitgrad::cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream()),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()), cudaSuccess);
+  }
+
+  // Σ of dy's rows [begin, end) in fp64, as fp32.
+  static at::Tensor rows_sum(const at::Tensor& dy, int64_t begin, int64_t end) {
+    return dy.narrow(0, begin, end - begin).to(at::kDouble).sum(0).to(at::kFloat);
+  }
+};
+
+TEST_F(GroupedBiasGrad, ImbalancedEmptyAndSkippedGroupsAccumulateIntoFp32) {
+  for (const int64_t cols : {1536, 1000, 7}) {  // 16-byte loads, and the scalar tail
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    const at::Tensor dy = at::randn({5000, cols}, options);
+    const std::vector<int64_t> splits = {3, 0, 4000, 1, 0, 990, 6};
+    std::vector<at::Tensor> targets, start;
+    for (size_t g = 0; g < splits.size(); ++g) {
+      start.push_back(at::randn({cols}, options.dtype(at::kFloat)));
+      targets.push_back(start.back().clone());
+    }
+    targets[5] = at::Tensor();  // skipped
+    run(dy, splits, targets, /*accumulate=*/true);
+    int64_t offset = 0;
+    for (size_t g = 0; g < splits.size(); offset += splits[g], ++g) {
+      if (!targets[g].defined()) continue;
+      const at::Tensor want = start[g] + rows_sum(dy, offset, offset + splits[g]);
+      if (splits[g] == 0) {
+        EXPECT_TRUE(at::equal(targets[g], start[g])) << "group " << g << " has no rows";
+      } else {
+        EXPECT_TRUE(at::allclose(targets[g], want, 1e-4, 1e-3))
+            << "group " << g << " cols " << cols;
+      }
+    }
+  }
+}
+
+TEST_F(GroupedBiasGrad, DeterministicAndOneGroupIsTheSingleLayerKernelBitwise) {
+  const at::Tensor dy =
+      at::randn({8192, 2048}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+  const std::vector<int64_t> splits = {8192};
+  at::Tensor grouped = at::zeros({2048}, dy.options().dtype(at::kFloat));
+  run(dy, splits, {grouped}, /*accumulate=*/true);
+
+  at::Tensor single = at::zeros({2048}, dy.options().dtype(at::kFloat));
+  splitgrad::cuda::BiasGradArgs args;
+  args.dy = dy.data_ptr(), args.dy_type = CUDA_R_16BF;
+  args.tokens = 8192, args.features = 2048, args.ld = 2048;
+  args.target = single.data_ptr(), args.target_type = CUDA_R_32F, args.accumulate = true;
+  args.multiprocessors = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const at::Tensor workspace = at::empty(
+      {static_cast<int64_t>(
+          splitgrad::cuda::bias_grad_workspace_bytes(8192, 2048, args.multiprocessors) / 4)},
+      dy.options().dtype(at::kFloat));
+  args.workspace = workspace.data_ptr<float>();
+  ASSERT_EQ(splitgrad::cuda::bias_grad(args, at::cuda::getCurrentCUDAStream()), cudaSuccess);
+  EXPECT_TRUE(at::equal(grouped, single));
+
+  const std::vector<int64_t> imbalanced = {100, 7000, 0, 1092};
+  std::vector<at::Tensor> first, second;
+  for (int g = 0; g < 4; ++g) {
+    first.push_back(at::zeros({2048}, dy.options().dtype(at::kFloat)));
+    second.push_back(at::zeros({2048}, dy.options().dtype(at::kFloat)));
+  }
+  run(dy, imbalanced, first, /*accumulate=*/true);
+  run(dy, imbalanced, second, /*accumulate=*/true);
+  for (int g = 0; g < 4; ++g) EXPECT_TRUE(at::equal(first[g], second[g])) << "group " << g;
+}
+
+TEST_F(GroupedBiasGrad, GroupsSharingATargetAddUpInOrder) {
+  const at::Tensor dy =
+      at::randn({3000, 256}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  const at::Tensor shared = at::randn({256}, dy.options());
+  const at::Tensor start = shared.clone();
+  const at::Tensor other = at::zeros({256}, dy.options());
+  run(dy, {1000, 500, 1500}, {shared, other, shared}, /*accumulate=*/true);
+  const at::Tensor want = start + rows_sum(dy, 0, 1000) + rows_sum(dy, 1500, 3000);
+  EXPECT_TRUE(at::allclose(shared, want, 1e-4, 1e-3));
+  EXPECT_TRUE(at::allclose(other, rows_sum(dy, 1000, 1500), 1e-4, 1e-3));
+
+  // More groups than one tile of 256 (offsets scan, sharing across tiles): 600 groups of 5 rows,
+  // groups 10, 300 and 599 sharing one target.
+  const std::vector<int64_t> splits(600, 5);
+  std::vector<at::Tensor> targets;
+  for (int g = 0; g < 600; ++g) targets.push_back(at::zeros({256}, dy.options()));
+  targets[300] = targets[599] = targets[10];
+  run(dy, splits, targets, /*accumulate=*/true);
+  for (int g = 0; g < 600; ++g) {
+    const at::Tensor want =
+        g == 10 || g == 300 || g == 599
+            ? rows_sum(dy, 50, 55) + rows_sum(dy, 1500, 1505) + rows_sum(dy, 2995, 3000)
+            : rows_sum(dy, 5 * g, 5 * g + 5);
+    EXPECT_TRUE(at::allclose(targets[g], want, 1e-4, 1e-3)) << "group " << g;
+  }
+}
+
+TEST_F(GroupedBiasGrad, LowPrecisionTargetsAreRoundedAsTheSingleLayerKernel) {
+  for (const at::ScalarType type : {at::kBFloat16, at::kHalf}) {
+    const at::Tensor dy = at::randn({4096, 512}, at::TensorOptions().device(at::kCUDA).dtype(type));
+    const std::vector<int64_t> splits = {1024, 0, 3072};
+    // Overwrite: target = the fp32 sum rounded once; an empty group's target becomes zeros.
+    std::vector<at::Tensor> written;
+    for (int g = 0; g < 3; ++g) written.push_back(at::full({512}, 7.0, dy.options()));
+    run(dy, splits, written, /*accumulate=*/false);
+    EXPECT_TRUE(at::allclose(written[0].to(at::kFloat), rows_sum(dy, 0, 1024), 1e-2, 1e-2));
+    EXPECT_TRUE(at::equal(written[1], at::zeros({512}, dy.options())));
+    EXPECT_TRUE(at::allclose(written[2].to(at::kFloat), rows_sum(dy, 1024, 4096), 1e-2, 1e-2));
+    // Accumulate: the sum rounded to the target's type, then added (as `grad.add_(db)` would).
+    const at::Tensor start = at::randn({512}, dy.options());
+    std::vector<at::Tensor> added = {start.clone(), at::Tensor(), at::Tensor()};
+    run(dy, {1024, 0, 3072}, added, /*accumulate=*/true);
+    EXPECT_TRUE(at::equal(added[0], start + written[0]));
+  }
+}
+
+TEST_F(GroupedBiasGrad, BadSplitsAreClampedNotReadOutOfBounds) {
+  const at::Tensor dy =
+      at::randn({1000, 64}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  std::vector<at::Tensor> targets;
+  for (int g = 0; g < 4; ++g) targets.push_back(at::zeros({64}, dy.options()));
+  // A negative split counts as 0; a split past the end is cut at the last row.
+  run(dy, {-5, 400, 100000, 30}, targets, /*accumulate=*/true);
+  EXPECT_TRUE(at::equal(targets[0], at::zeros({64}, dy.options())));
+  EXPECT_TRUE(at::allclose(targets[1], rows_sum(dy, 0, 400), 1e-4, 1e-3));
+  EXPECT_TRUE(at::allclose(targets[2], rows_sum(dy, 400, 1000), 1e-4, 1e-3));
+  EXPECT_TRUE(at::equal(targets[3], at::zeros({64}, dy.options())));
+  // Splits summing to fewer rows: the rest belongs to no group.
+  std::vector<at::Tensor> short_targets = {at::zeros({64}, dy.options())};
+  run(dy, {250}, short_targets, /*accumulate=*/true);
+  EXPECT_TRUE(at::allclose(short_targets[0], rows_sum(dy, 0, 250), 1e-4, 1e-3));
+  // No rows at all: accumulate adds nothing, overwrite writes zeros.
+  const at::Tensor none = dy.narrow(0, 0, 0);
+  std::vector<at::Tensor> kept = {at::ones({64}, dy.options())};
+  run(none, {0}, kept, /*accumulate=*/true);
+  EXPECT_TRUE(at::equal(kept[0], at::ones({64}, dy.options())));
+  run(none, {0}, kept, /*accumulate=*/false);
+  EXPECT_TRUE(at::equal(kept[0], at::zeros({64}, dy.options())));
+}
+
+// Checked before any launch: runs without a GPU too.
+TEST(GroupedBiasGradArgs, BadArgumentsAreRefused) {
+  GroupedBiasGradArgs args;
+  args.rows = 4, args.cols = 8, args.ld = 4, args.groups = 1;  // ld < cols
+  EXPECT_EQ(splitgrad::cuda::grouped_bias_grad(args, nullptr), cudaErrorInvalidValue);
+  args.ld = 8;  // no splits, targets or workspace
+  EXPECT_EQ(splitgrad::cuda::grouped_bias_grad(args, nullptr), cudaErrorInvalidValue);
+  args.groups = 0;  // nothing to do
+  EXPECT_EQ(splitgrad::cuda::grouped_bias_grad(args, nullptr), cudaSuccess);
+}
+
+}  // namespace
