@@ -21,11 +21,16 @@ struct Kernel {
   size_t (*workspace_bytes)(const GroupedGemmArgs&) = nullptr;
 };
 
-// SPLITGRAD_GROUPED_WGRAD_SCHEDULE=cooperative runs the fp32 wgrad on the cooperative kernel
-// instead of the ping-pong one, for benchmarks/bench_grouped.py to measure both.
-bool cooperative_fp32_wgrad() {
-  const char* schedule = std::getenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE");
-  return schedule != nullptr && std::strcmp(schedule, "cooperative") == 0;
+// The fp32 wgrad's schedule. Measured on the H200 (BENCHMARKS.md, "GroupedLinear"): ping-pong
+// wins while each group's sum is short (its fp32 epilogue overlaps the other warp group's main
+// loop), cooperative's larger tile once the main loop dominates (2 experts of 4096 rows: 1.08x
+// the per-expert cuBLAS loop against ping-pong's 1.17x). SPLITGRAD_GROUPED_WGRAD_SCHEDULE=
+// pingpong|cooperative forces one, for benchmarks/bench_grouped.py to measure both.
+bool cooperative_fp32_wgrad(const GroupedGemmArgs& args) {
+  const char* forced = std::getenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE");
+  if (forced != nullptr && std::strcmp(forced, "cooperative") == 0) return true;
+  if (forced != nullptr && std::strcmp(forced, "pingpong") == 0) return false;
+  return args.rows >= 2048 * args.groups;
 }
 
 Kernel kernel_for(const GroupedGemmArgs& args) {
@@ -37,7 +42,7 @@ Kernel kernel_for(const GroupedGemmArgs& args) {
     case GroupedProduct::wgrad_accumulate:
       if (args.target_type == CUDA_R_16BF) return {&sm90::wgrad_bf16, &sm90::wgrad_bf16_workspace_bytes};
       if (args.target_type != CUDA_R_32F) return {};
-      if (cooperative_fp32_wgrad()) {
+      if (cooperative_fp32_wgrad(args)) {
         return {&sm90::wgrad_fp32_cooperative, &sm90::wgrad_fp32_cooperative_workspace_bytes};
       }
       return {&sm90::wgrad_fp32, &sm90::wgrad_fp32_workspace_bytes};

@@ -18,6 +18,7 @@
 #include "cuda/bias_grad.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/linear_cuda.h"
+#include "cuda/pointer_table.h"
 #include "ops/checks.h"
 
 namespace splitgrad::cuda_backend {
@@ -61,13 +62,17 @@ at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::
   return m_splits.contiguous();
 }
 
-// A device array of pointers (nullptr where absent), copied from pinned memory without waiting
-// (the caching host allocator keeps the buffer until the copy has run).
+// A device array of pointers (nullptr where absent), written by a kernel that takes them by value
+// (cuda/pointer_table.h): no pinned buffer, so CUDA graphs capture it safely.
 at::Tensor device_pointers(const std::vector<const void*>& pointers, const at::Tensor& like) {
-  at::Tensor host = at::empty({static_cast<int64_t>(pointers.size())},
-                              at::TensorOptions(at::kLong).pinned_memory(true));
-  std::memcpy(host.data_ptr(), pointers.data(), pointers.size() * sizeof(void*));
-  return host.to(like.device(), /*non_blocking=*/true);
+  at::Tensor table =
+      at::empty({static_cast<int64_t>(pointers.size())}, like.options().dtype(at::kLong));
+  const cudaError_t status = cuda::write_pointer_table(
+      pointers.data(), static_cast<int64_t>(pointers.size()),
+      reinterpret_cast<const void**>(table.data_ptr()), at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status == cudaSuccess, "splitgrad grouped GEMM: writing the pointer table failed (",
+              cudaGetErrorString(status), ")");
+  return table;
 }
 
 // Runs a grouped product on the current stream; false where the kernel does not take the
