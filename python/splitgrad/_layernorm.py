@@ -96,12 +96,23 @@ class _NormedModule(_DeferredWgradModule):
             cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
             with _typed_errors():
                 _C.check_linear_args(self._layer_id, inp, first_weight, None, inp.dtype if cast else None)
-        gamma = self.layer_norm_weight
-        if self.zero_centered_gamma:
-            gamma = gamma + 1
+        gamma, beta = self.layer_norm_weight, self.layer_norm_bias
+        if not self.zero_centered_gamma:
+            return self._normalize(inp, gamma, beta)
+        if gamma.dtype not in (torch.bfloat16, torch.float16):
+            return self._normalize(inp, gamma + 1, beta)
+        # TE adds the 1 to a 16-bit gamma in fp32 inside its kernel (1 + gamma rounded to 16 bits
+        # would lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
+        gamma = gamma.float() + 1
+        beta = beta.float() if beta is not None else None
+        if torch.is_autocast_enabled(inp.device.type):
+            return self._normalize(inp, gamma, beta)  # autocast casts the input as it casts the norm's
+        return self._normalize(inp.float(), gamma, beta).to(inp.dtype)
+
+    def _normalize(self, inp: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
         shape = (gamma.shape[0],)
         if self.normalization == "LayerNorm":
-            return F.layer_norm(inp, shape, gamma, self.layer_norm_bias, self.eps)
+            return F.layer_norm(inp, shape, gamma, beta, self.eps)
         return F.rms_norm(inp, shape, gamma, self.eps)
 
 

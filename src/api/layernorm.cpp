@@ -65,12 +65,24 @@ void check_input(const LayerHandle& layer, const torch::Tensor& input,
 torch::Tensor normalize(const torch::Tensor& input, const std::string& normalization,
                         const torch::Tensor& weight, const torch::Tensor& bias, double eps,
                         bool zero_centered) {
-  const torch::Tensor gamma = zero_centered ? weight + 1 : weight;
-  const std::array<int64_t, 1> shape{gamma.size(0)};
-  if (normalization == "LayerNorm") {
-    return at::layer_norm(input, shape, gamma, optional_if_defined(bias), eps);
+  auto norm = [&](const torch::Tensor& x, const torch::Tensor& gamma, const torch::Tensor& beta) {
+    const std::array<int64_t, 1> shape{gamma.size(0)};
+    if (normalization == "LayerNorm") {
+      return at::layer_norm(x, shape, gamma, optional_if_defined(beta), eps);
+    }
+    return at::rms_norm(x, shape, gamma, eps);
+  };
+  if (!zero_centered) return norm(input, weight, bias);
+  const auto dtype = weight.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return norm(input, weight + 1, bias);
+  // TE adds the 1 to a 16-bit gamma in fp32 inside its kernel (1 + gamma rounded to 16 bits would
+  // lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
+  const torch::Tensor gamma = weight.to(at::kFloat) + 1;
+  const torch::Tensor beta = bias.defined() ? bias.to(at::kFloat) : bias;
+  if (at::autocast::is_autocast_enabled(input.device().type())) {
+    return norm(input, gamma, beta);  // autocast casts the input as it casts the norm's
   }
-  return at::rms_norm(input, shape, gamma, eps);
+  return norm(input.to(at::kFloat), gamma, beta).to(input.scalar_type());
 }
 
 bool gated(const std::string& activation) {

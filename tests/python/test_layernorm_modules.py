@@ -96,6 +96,49 @@ def test_matches_plain_pytorch(kind, activation, normalization, dtype):
         assert_same(model, reference, case)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("normalization", NORMS)
+def test_zero_centered_gamma_adds_the_one_in_fp32(normalization, dtype):
+    """TE's numerics for a 16-bit zero-centred gamma: 1 + gamma is formed in fp32 inside the norm,
+    which runs in fp32 and rounds its output once. Against a float64 computation rounded to the
+    dtype, the norm's output and the input's gradient agree but for the odd tie (< 0.1 %); with
+    1 + gamma rounded to 16 bits first, a quarter of them differ (checked here too, so the data
+    can tell the two apart)."""
+    hidden, rows = 256, 64
+    model = splitgrad.LayerNormLinear(hidden, 16, normalization=normalization, zero_centered_gamma=True,
+                                      return_layernorm_output=True, params_dtype=dtype, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in (model.layer_norm_weight, model.layer_norm_bias):
+            if param is not None:
+                param.copy_(torch.randn(hidden, generator=generator) * 0.1)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype)
+    gy = torch.randn(rows, hidden, generator=generator).to(dtype)
+
+    def norm_and_dx(inp, gamma, beta):
+        inp = inp.detach().requires_grad_(True)
+        if normalization == "LayerNorm":
+            out = nn.functional.layer_norm(inp, (hidden,), gamma, beta, model.eps)
+        else:
+            out = nn.functional.rms_norm(inp, (hidden,), gamma, model.eps)
+        (out.double() * gy.double()).sum().backward()
+        return out, inp.grad
+
+    xg = x.clone().requires_grad_(True)
+    _, ln_out = model(xg)
+    (ln_out.double() * gy.double()).sum().backward()
+    weight, bias = model.layer_norm_weight.detach(), model.layer_norm_bias
+    bias = bias.detach() if bias is not None else None
+    exact, exact_dx = norm_and_dx(x.double(), weight.double() + 1, bias.double() if bias is not None else None)
+    rounded, rounded_dx = norm_and_dx(x, weight + 1, bias)  # 1 + gamma rounded to dtype
+
+    def differing(got, want):
+        return (got != want.to(dtype)).float().mean().item()
+
+    assert differing(ln_out, exact) < 1e-3 and differing(xg.grad, exact_dx) < 1e-3
+    assert differing(rounded, exact) > 0.1 and differing(rounded_dx, exact_dx) > 0.1
+
+
 @pytest.mark.parametrize("normalization", NORMS)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_mlp_matches_torch_nn_modules(normalization, activation):
