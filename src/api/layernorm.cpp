@@ -47,9 +47,10 @@ void reset_norm(const torch::Tensor& weight, const torch::Tensor& bias, bool zer
   if (bias.defined()) bias.zero_();
 }
 
-// The input's checks, naming the module, before the norm runs (the first GEMM's own checks).
+// The input's checks before the norm runs (the first GEMM's own), naming the module and, in a
+// module with several GEMMs, that GEMM.
 void check_input(const LayerHandle& layer, const torch::Tensor& input,
-                 const torch::Tensor& first_weight) {
+                 const torch::Tensor& first_weight, const std::string& gemm = "") {
   TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer.name(),
                     "': expected an input of shape [*, ", first_weight.size(1),
                     "], got an undefined tensor");
@@ -57,7 +58,7 @@ void check_input(const LayerHandle& layer, const torch::Tensor& input,
   const bool autocast =
       input.is_floating_point() && at::autocast::is_autocast_enabled(input.device().type());
   detail::check_linear_args(
-      [&] { return detail::layer_label(layer.id()); }, input, first_weight, std::nullopt,
+      [&] { return detail::layer_label(layer.id(), gemm); }, input, first_weight, std::nullopt,
       autocast ? std::optional<at::ScalarType>(input.scalar_type()) : std::nullopt);
 }
 
@@ -302,23 +303,30 @@ void LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
 
 std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernorm_output(
     const torch::Tensor& input) {
-  check_input(*layer_, input, fc1_weight);
+  check_input(*layer_, input, fc1_weight, "fc1");
   torch::Tensor ln_out = normalize(input, options.normalization(), layer_norm_weight,
                                    layer_norm_bias, options.eps(), options.zero_centered_gamma());
   // Both GEMMs queue under this module's id: one backward_dw() runs a pass's fc2 and fc1 work.
-  auto gemm = [&](const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                  const char* weight_name, const char* bias_name) {
+  auto gemm = [&](const char* name, const torch::Tensor& x, const torch::Tensor& weight,
+                  const torch::Tensor& bias) {
+    const std::string weight_name = c10::str(name, "_weight"), bias_name = c10::str(name, "_bias");
     OptTensor weight_main_grad, bias_main_grad;
     if (options.fuse_wgrad_accumulation()) {
       weight_main_grad = detail::fused_main_grad(*layer_, weight, weight_name, /*required=*/true);
       bias_main_grad = detail::fused_main_grad(*layer_, bias, bias_name, /*required=*/false);
     }
+    // The op's own checks, first with messages that say which GEMM and parameter they mean.
+    const bool autocast =
+        x.is_floating_point() && at::autocast::is_autocast_enabled(x.device().type());
+    detail::check_gemm_args(
+        [&] { return detail::layer_label(layer_->id(), name); }, x, weight,
+        optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
+        autocast ? std::optional<at::ScalarType>(x.scalar_type()) : std::nullopt);
     return ops::linear(x, weight, optional_if_defined(bias), weight_main_grad, bias_main_grad,
                        layer_->id(), options.delay_wgrad_compute());
   };
-  torch::Tensor hidden =
-      activate(options.activation(), gemm(ln_out, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias"));
-  torch::Tensor out = gemm(hidden, fc2_weight, fc2_bias, "fc2_weight", "fc2_bias");
+  torch::Tensor hidden = activate(options.activation(), gemm("fc1", ln_out, fc1_weight, fc1_bias));
+  torch::Tensor out = gemm("fc2", hidden, fc2_weight, fc2_bias);
   return {out, ln_out};
 }
 

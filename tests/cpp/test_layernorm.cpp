@@ -329,7 +329,7 @@ TEST(LayerNormModules, MisuseGetsErrorsNamingTheModule) {
   EXPECT_CONTAINS(msg, "splitgrad layer 'mlp'");
   EXPECT_CONTAINS(msg, "[*, 8]");
   msg = error_message([&] { m->forward(torch::randn({2, kHidden}, torch::kDouble)); });
-  EXPECT_CONTAINS(msg, "'mlp': expected input of dtype torch.float32");
+  EXPECT_CONTAINS(msg, "'mlp' (fc1): expected input of dtype torch.float32");
   msg = error_message([&] { m->forward(torch::Tensor()); });
   EXPECT_CONTAINS(msg, "'mlp': expected an input of shape [*, 8], got an undefined tensor");
   msg = error_message([&] { LayerNormMLP(LayerNormMLPOptions(8, 8).activation("tanh")); });
@@ -349,6 +349,43 @@ TEST(LayerNormModules, MisuseGetsErrorsNamingTheModule) {
   // A regular module's backward_dw() does nothing.
   m->forward(torch::randn({2, kHidden})).sum().backward();
   m->backward_dw();
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+}
+
+TEST(LayerNormModules, GemmErrorsNameTheModuleAndTheGemm) {
+  // An error from one of LayerNormMLP's two GEMMs says which: parameters replaced by ones of the
+  // wrong dtype or shape, a fused module missing one GEMM's main_grad.
+  auto fresh = [](bool fused = false) {
+    return LayerNormMLP(LayerNormMLPOptions(kHidden, kFfn)
+                            .name("blocks.0.mlp")
+                            .fuse_wgrad_accumulation(fused)
+                            .device(torch::kCPU));
+  };
+  const auto x = torch::randn({2, kHidden});
+  auto m = fresh();
+  m->fc2_weight = torch::randn({kHidden, kFfn}, torch::kDouble);
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc2): expected input of dtype torch.float64");
+  m = fresh();
+  m->fc2_weight = torch::randn({kHidden, kFfn + 1});
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc2): expected input of shape [*, 13]");
+  m = fresh();
+  m->fc1_weight = torch::randn({kFfn, kHidden}, torch::kDouble);
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc1): expected input of dtype torch.float64");
+  m = fresh();
+  m->fc1_bias = torch::randn({kFfn + 1});
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc1): expected a bias of shape [12]");
+  m = fresh();
+  m->fc2_bias = torch::randn({kHidden}, torch::kDouble);
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc2): expected a bias of dtype torch.float32");
+  m = fresh(/*fused=*/true);
+  splitgrad::set_main_grad(m->fc1_weight, torch::zeros({kFfn, kHidden}));
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "'blocks.0.mlp': fuse_wgrad_accumulation=true needs the fc2_weight's main_grad");
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
 }
 
