@@ -96,9 +96,10 @@ def test_matches_plain_pytorch(kind, activation, normalization, dtype):
         assert_same(model, reference, case)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("normalization", NORMS)
-def test_zero_centered_gamma_adds_the_one_in_fp32(normalization, dtype):
+def test_zero_centered_gamma_adds_the_one_in_fp32(normalization, dtype, device):
     """TE's numerics for a 16-bit zero-centred gamma: 1 + gamma is formed in fp32 inside the norm,
     which runs in fp32 and rounds its output once. Against a float64 computation rounded to the
     dtype, the norm's output and the input's gradient agree but for the odd tie (< 0.1 %); with
@@ -106,14 +107,14 @@ def test_zero_centered_gamma_adds_the_one_in_fp32(normalization, dtype):
     can tell the two apart)."""
     hidden, rows = 256, 64
     model = splitgrad.LayerNormLinear(hidden, 16, normalization=normalization, zero_centered_gamma=True,
-                                      return_layernorm_output=True, params_dtype=dtype, device="cpu")
+                                      return_layernorm_output=True, params_dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in (model.layer_norm_weight, model.layer_norm_bias):
             if param is not None:
                 param.copy_(torch.randn(hidden, generator=generator) * 0.1)
-    x = torch.randn(rows, hidden, generator=generator).to(dtype)
-    gy = torch.randn(rows, hidden, generator=generator).to(dtype)
+    x = torch.randn(rows, hidden, generator=generator).to(dtype=dtype, device=device)
+    gy = torch.randn(rows, hidden, generator=generator).to(dtype=dtype, device=device)
 
     def norm_and_dx(inp, gamma, beta):
         inp = inp.detach().requires_grad_(True)
