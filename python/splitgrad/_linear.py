@@ -184,7 +184,8 @@ class _DeferredWgradModule(nn.Module):
             if bias is not None:
                 bias_main_grad = self._main_grad_of(bias, names[1], required=False)
         if path == "functional" or (gemm and path not in ("export", "compile")):
-            # The op's own checks (the functional path runs without the op), naming the GEMM.
+            # The op's own checks (the functional path runs without the op), naming the GEMM. Autocast
+            # casts a floating input to its dtype before the product.
             cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
             _C.check_gemm_args(self._layer_id, gemm, inp, weight, bias, weight_main_grad, bias_main_grad, *names,
                                inp.dtype if cast else None)
