@@ -38,7 +38,8 @@ struct LayerNormLinearOptions {
   TORCH_ARG(bool, bias) = true;
   /// "LayerNorm" (layer_norm_weight and layer_norm_bias) or "RMSNorm" (layer_norm_weight only).
   TORCH_ARG(std::string, normalization) = "LayerNorm";
-  /// The norm scales by 1 + layer_norm_weight (which starts at 0), as TE's zero_centered_gamma.
+  /// The norm scales by 1 + layer_norm_weight (which starts at 0), as TE's zero_centered_gamma;
+  /// with 16-bit parameters the 1 is added in fp32 and the norm runs in fp32 (TE's numerics).
   TORCH_ARG(bool, zero_centered_gamma) = false;
   /// Queue the weight/bias gradients in backward; compute them in backward_dw(). The norm's
   /// gradients are computed in the backward either way.

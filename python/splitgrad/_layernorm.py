@@ -90,18 +90,31 @@ class _NormedModule(_DeferredWgradModule):
             if self.layer_norm_bias is not None:
                 self.layer_norm_bias.zero_()
 
-    def _norm(self, inp: torch.Tensor, path: str, first_weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, inp: torch.Tensor, path: str, first_weight: torch.Tensor, gemm: str = "") -> torch.Tensor:
         if path not in ("compile", "export"):
-            # The input's checks, naming this module (the GEMM's own, before the norm runs).
+            # The input's checks, naming this module and its first GEMM (that GEMM's own checks,
+            # before the norm runs).
             cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
             with _typed_errors():
-                _C.check_linear_args(self._layer_id, inp, first_weight, None, inp.dtype if cast else None)
-        gamma = self.layer_norm_weight
-        if self.zero_centered_gamma:
-            gamma = gamma + 1
+                _C.check_gemm_args(self._layer_id, gemm, inp, first_weight, None, None, None, "weight", "bias",
+                                   inp.dtype if cast else None)
+        gamma, beta = self.layer_norm_weight, self.layer_norm_bias
+        if not self.zero_centered_gamma:
+            return self._normalize(inp, gamma, beta)
+        if gamma.dtype not in (torch.bfloat16, torch.float16):
+            return self._normalize(inp, gamma + 1, beta)
+        # TE adds the 1 to a 16-bit gamma in fp32 inside its kernel (1 + gamma rounded to 16 bits
+        # would lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
+        gamma = gamma.float() + 1
+        beta = beta.float() if beta is not None else None
+        if torch.is_autocast_enabled(inp.device.type):
+            return self._normalize(inp, gamma, beta)  # autocast casts the input as it casts the norm's
+        return self._normalize(inp.float(), gamma, beta).to(inp.dtype)
+
+    def _normalize(self, inp: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
         shape = (gamma.shape[0],)
         if self.normalization == "LayerNorm":
-            return F.layer_norm(inp, shape, gamma, self.layer_norm_bias, self.eps)
+            return F.layer_norm(inp, shape, gamma, beta, self.eps)
         return F.rms_norm(inp, shape, gamma, self.eps)
 
 
@@ -267,17 +280,19 @@ class LayerNormMLP(_NormedModule):
         ln_out])`` as te.LayerNormMLP returns them."""
         self._check_forward_args(inp, is_first_microbatch)
         path = self._linear_path(inp)
-        ln_out = self._norm(inp, path, self.fc1_weight)
+        ln_out = self._norm(inp, path, self.fc1_weight, "fc1")
         act, gated = _ACTIVATIONS[self.activation]
         with _typed_errors():
-            hidden = self._apply_linear(path, ln_out, self.fc1_weight, self.fc1_bias, ("fc1_weight", "fc1_bias"))
+            hidden = self._apply_linear(path, ln_out, self.fc1_weight, self.fc1_bias, ("fc1_weight", "fc1_bias"),
+                                        gemm="fc1")
             if gated:
                 gate, value = hidden.chunk(2, dim=-1)
                 hidden = act(gate) * value
             else:
                 hidden = act(hidden)
             fc2_bias = None if self.return_bias else self.fc2_bias
-            out = self._apply_linear(path, hidden, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"))
+            out = self._apply_linear(path, hidden, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
+                                     gemm="fc2")
         return _outputs(out, self.fc2_bias if self.return_bias else None, self.return_bias,
                         ln_out if self.return_layernorm_output else None)
 

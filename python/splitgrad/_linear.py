@@ -172,24 +172,29 @@ class _DeferredWgradModule(nn.Module):
             return "trace"
         return "op"
 
-    def _apply_linear(self, path: str, inp, weight, bias, names: tuple[str, str] = ("weight", "bias")):
+    def _apply_linear(self, path: str, inp, weight, bias, names: tuple[str, str] = ("weight", "bias"),
+                      gemm: str = ""):
         """inp·weightᵀ + bias through splitgrad's linear op, queued under this module's id; ``path``
-        from _linear_path(), ``names`` name the parameters in messages."""
+        from _linear_path(), ``names`` name the parameters in messages, and ``gemm`` the GEMM in a
+        module with several ("fc1": "splitgrad layer 'mlp' (fc1): ...")."""
         weight_main_grad = bias_main_grad = None
         # export records an unfused call; functional gradients are returned, not accumulated
         if self.fuse_wgrad_accumulation and path not in ("export", "functional"):
             weight_main_grad = self._main_grad_of(weight, names[0])
             if bias is not None:
                 bias_main_grad = self._main_grad_of(bias, names[1], required=False)
+        if path == "functional" or (gemm and path not in ("export", "compile")):
+            # The op's own checks (the functional path runs without the op), naming the GEMM. Autocast
+            # casts a floating input to its dtype before the product.
+            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
+            _C.check_gemm_args(self._layer_id, gemm, inp, weight, bias, weight_main_grad, bias_main_grad, *names,
+                               inp.dtype if cast else None)
         if path in ("export", "trace"):
             # A graph meant to outlive this process records a regular, unfused call under no
             # layer id (0): it depends on no process-local registration, and its gradients go to
             # .grad at once.
             return _linear_op(inp, weight, bias, None, None, 0, False)
         if path == "functional":  # nn.Linear's own differentiable op
-            # Autocast casts a floating input to its dtype before the product.
-            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
-            _C.check_linear_args(self._layer_id, inp, weight, bias, inp.dtype if cast else None)
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(weight).requires_grad:
                 warnings.warn(
                     f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "

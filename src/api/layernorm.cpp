@@ -47,9 +47,10 @@ void reset_norm(const torch::Tensor& weight, const torch::Tensor& bias, bool zer
   if (bias.defined()) bias.zero_();
 }
 
-// The input's checks, naming the module, before the norm runs (the first GEMM's own checks).
+// The input's checks before the norm runs (the first GEMM's own), naming the module and, in a
+// module with several GEMMs, that GEMM.
 void check_input(const LayerHandle& layer, const torch::Tensor& input,
-                 const torch::Tensor& first_weight) {
+                 const torch::Tensor& first_weight, const std::string& gemm = "") {
   TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer.name(),
                     "': expected an input of shape [*, ", first_weight.size(1),
                     "], got an undefined tensor");
@@ -57,7 +58,7 @@ void check_input(const LayerHandle& layer, const torch::Tensor& input,
   const bool autocast =
       input.is_floating_point() && at::autocast::is_autocast_enabled(input.device().type());
   detail::check_linear_args(
-      [&] { return detail::layer_label(layer.id()); }, input, first_weight, std::nullopt,
+      [&] { return detail::layer_label(layer.id(), gemm); }, input, first_weight, std::nullopt,
       autocast ? std::optional<at::ScalarType>(input.scalar_type()) : std::nullopt);
 }
 
@@ -65,12 +66,24 @@ void check_input(const LayerHandle& layer, const torch::Tensor& input,
 torch::Tensor normalize(const torch::Tensor& input, const std::string& normalization,
                         const torch::Tensor& weight, const torch::Tensor& bias, double eps,
                         bool zero_centered) {
-  const torch::Tensor gamma = zero_centered ? weight + 1 : weight;
-  const std::array<int64_t, 1> shape{gamma.size(0)};
-  if (normalization == "LayerNorm") {
-    return at::layer_norm(input, shape, gamma, optional_if_defined(bias), eps);
+  auto norm = [&](const torch::Tensor& x, const torch::Tensor& gamma, const torch::Tensor& beta) {
+    const std::array<int64_t, 1> shape{gamma.size(0)};
+    if (normalization == "LayerNorm") {
+      return at::layer_norm(x, shape, gamma, optional_if_defined(beta), eps);
+    }
+    return at::rms_norm(x, shape, gamma, eps);
+  };
+  if (!zero_centered) return norm(input, weight, bias);
+  const auto dtype = weight.scalar_type();
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return norm(input, weight + 1, bias);
+  // TE adds the 1 to a 16-bit gamma in fp32 inside its kernel (1 + gamma rounded to 16 bits would
+  // lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
+  const torch::Tensor gamma = weight.to(at::kFloat) + 1;
+  const torch::Tensor beta = bias.defined() ? bias.to(at::kFloat) : bias;
+  if (at::autocast::is_autocast_enabled(input.device().type())) {
+    return norm(input, gamma, beta);  // autocast casts the input as it casts the norm's
   }
-  return at::rms_norm(input, shape, gamma, eps);
+  return norm(input.to(at::kFloat), gamma, beta).to(input.scalar_type());
 }
 
 bool gated(const std::string& activation) {
@@ -290,23 +303,30 @@ void LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
 
 std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernorm_output(
     const torch::Tensor& input) {
-  check_input(*layer_, input, fc1_weight);
+  check_input(*layer_, input, fc1_weight, "fc1");
   torch::Tensor ln_out = normalize(input, options.normalization(), layer_norm_weight,
                                    layer_norm_bias, options.eps(), options.zero_centered_gamma());
   // Both GEMMs queue under this module's id: one backward_dw() runs a pass's fc2 and fc1 work.
-  auto gemm = [&](const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
-                  const char* weight_name, const char* bias_name) {
+  auto gemm = [&](const char* name, const torch::Tensor& x, const torch::Tensor& weight,
+                  const torch::Tensor& bias) {
+    const std::string weight_name = c10::str(name, "_weight"), bias_name = c10::str(name, "_bias");
     OptTensor weight_main_grad, bias_main_grad;
     if (options.fuse_wgrad_accumulation()) {
       weight_main_grad = detail::fused_main_grad(*layer_, weight, weight_name, /*required=*/true);
       bias_main_grad = detail::fused_main_grad(*layer_, bias, bias_name, /*required=*/false);
     }
+    // The op's own checks, first with messages that say which GEMM and parameter they mean.
+    const bool autocast =
+        x.is_floating_point() && at::autocast::is_autocast_enabled(x.device().type());
+    detail::check_gemm_args(
+        [&] { return detail::layer_label(layer_->id(), name); }, x, weight,
+        optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
+        autocast ? std::optional<at::ScalarType>(x.scalar_type()) : std::nullopt);
     return ops::linear(x, weight, optional_if_defined(bias), weight_main_grad, bias_main_grad,
                        layer_->id(), options.delay_wgrad_compute());
   };
-  torch::Tensor hidden =
-      activate(options.activation(), gemm(ln_out, fc1_weight, fc1_bias, "fc1_weight", "fc1_bias"));
-  torch::Tensor out = gemm(hidden, fc2_weight, fc2_bias, "fc2_weight", "fc2_bias");
+  torch::Tensor hidden = activate(options.activation(), gemm("fc1", ln_out, fc1_weight, fc1_bias));
+  torch::Tensor out = gemm("fc2", hidden, fc2_weight, fc2_bias);
   return {out, ln_out};
 }
 

@@ -88,6 +88,19 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
   }
 }
 
+void check_gemm_args(Who who, const at::Tensor& input, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& weight_main_grad,
+                     const std::optional<at::Tensor>& bias_main_grad,
+                     const std::string& weight_name, const std::string& bias_name,
+                     std::optional<at::ScalarType> compute_dtype) {
+  check_linear_args(who, input, weight, bias, compute_dtype);
+  if (weight_main_grad.has_value()) check_main_grad(who, weight_name, *weight_main_grad, weight);
+  if (bias_main_grad.has_value() && bias.has_value() && bias->defined()) {
+    check_main_grad(who, bias_name, *bias_main_grad, *bias);
+  }
+}
+
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input) {
   TORCH_CHECK_VALUE(grad_output.dim() >= 1 && input.dim() == grad_output.dim(), who(),
                     ": expected grad_output [*, out_features] and input [*, in_features] with the ",

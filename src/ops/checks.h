@@ -41,6 +41,16 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
                        const std::optional<at::Tensor>& bias,
                        std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
+/// One GEMM of a module as the linear op checks it: check_linear_args, then each main_grad given
+/// against its parameter, named `weight_name` / `bias_name` in messages ("fc2_weight"). Modules
+/// with several GEMMs run it before the op, with a `who` that names the GEMM too.
+void check_gemm_args(Who who, const at::Tensor& input, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& weight_main_grad,
+                     const std::optional<at::Tensor>& bias_main_grad,
+                     const std::string& weight_name, const std::string& bias_name,
+                     std::optional<at::ScalarType> compute_dtype = std::nullopt);
+
 /// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input);
 

@@ -36,6 +36,10 @@ std::string layer_label(core::LayerId layer) {
   return "splitgrad layer '" + WgradStore::instance().layer_name(layer) + "'";
 }
 
+std::string layer_label(core::LayerId layer, const std::string& gemm) {
+  return gemm.empty() ? layer_label(layer) : c10::str(layer_label(layer), " (", gemm, ")");
+}
+
 namespace {
 std::atomic<core::PassId> next_synthetic_pass{-2};
 }

@@ -14,6 +14,9 @@ namespace splitgrad::detail {
 
 /// "splitgrad layer 'fc1'": how messages name a layer.
 std::string layer_label(core::LayerId layer);
+/// "splitgrad layer 'blocks.0.mlp' (fc2)": one GEMM of a module with several; layer_label(layer)
+/// when `gemm` is empty.
+std::string layer_label(core::LayerId layer, const std::string& gemm);
 
 /// The backward pass now running (the current autograd graph task), watched so that the ledger
 /// hears when it ends. Outside any graph task it is a pass of its own that ends with the scope.

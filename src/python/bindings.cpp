@@ -140,6 +140,24 @@ PYBIND11_MODULE(_C, m) {
       py::arg("compute_dtype") = std::nullopt,
       "The op's argument checks, for a forward that runs without the op (torch.func transforms).");
   m.def(
+      "check_gemm_args",
+      [](int64_t layer_id, const std::string& gemm, const at::Tensor& input,
+         const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+         const std::optional<at::Tensor>& weight_main_grad,
+         const std::optional<at::Tensor>& bias_main_grad, const std::string& weight_name,
+         const std::string& bias_name, std::optional<at::ScalarType> compute_dtype) {
+        HANDLE_TH_ERRORS
+        splitgrad::detail::check_gemm_args(
+            [&] { return splitgrad::detail::layer_label(layer_id, gemm); }, input, weight, bias,
+            weight_main_grad, bias_main_grad, weight_name, bias_name, compute_dtype);
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("layer_id"), py::arg("gemm"), py::arg("input"), py::arg("weight"), py::arg("bias"),
+      py::arg("weight_main_grad"), py::arg("bias_main_grad"), py::arg("weight_name"),
+      py::arg("bias_name"), py::arg("compute_dtype") = std::nullopt,
+      "The op's checks of one GEMM of a module, in messages naming the module and the GEMM "
+      "(\"splitgrad layer 'mlp' (fc2)\") and its parameters.");
+  m.def(
       "register_grad_ready_hook",
       [](const at::Tensor& param, py::function fn) {
         HANDLE_TH_ERRORS

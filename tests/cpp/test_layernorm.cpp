@@ -148,6 +148,59 @@ TEST(LayerNormMLP, MatchesPlainAutogradForEveryActivationAndNorm) {
   }
 }
 
+TEST(LayerNormLinear, ZeroCenteredGammaAddsTheOneInFp32) {
+  // TE's numerics for a 16-bit zero-centred gamma: 1 + gamma formed in fp32 inside the norm, which
+  // runs in fp32 and rounds its output once. Against a double computation rounded to the dtype,
+  // the norm's output and the input's gradient agree but for the odd tie; with 1 + gamma rounded
+  // to 16 bits first, a quarter of them differ (so the data tell the two apart).
+  constexpr int64_t hidden = 256, rows = 64;
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    for (const auto& normalization : kNorms) {
+      SCOPED_TRACE(normalization + " " + std::string(c10::toString(dtype)));
+      LayerNormLinear m(LayerNormLinearOptions(hidden, 16)
+                            .normalization(normalization)
+                            .zero_centered_gamma(true)
+                            .params_dtype(dtype)
+                            .device(torch::kCPU));
+      torch::manual_seed(0);
+      {
+        torch::NoGradGuard no_grad;
+        m->layer_norm_weight.copy_(torch::randn({hidden}) * 0.1);
+        if (m->layer_norm_bias.defined()) m->layer_norm_bias.copy_(torch::randn({hidden}) * 0.1);
+      }
+      const auto x = torch::randn({rows, hidden}).to(dtype);
+      const auto gy = torch::randn({rows, hidden}).to(dtype);
+      auto norm_and_dx = [&](const torch::Tensor& input, const torch::Tensor& gamma,
+                             const torch::Tensor& beta) {
+        auto leaf = input.detach().requires_grad_();
+        auto out = normalization == "LayerNorm"
+                       ? at::layer_norm(
+                             leaf, {hidden}, gamma,
+                             beta.defined() ? std::optional<at::Tensor>(beta) : std::nullopt, 1e-5)
+                       : at::rms_norm(leaf, {hidden}, gamma, 1e-5);
+        (out.to(torch::kDouble) * gy.to(torch::kDouble)).sum().backward();
+        return std::make_pair(out.detach(), leaf.grad());
+      };
+      auto xg = x.clone().requires_grad_();
+      auto [out, ln_out] = m->forward_with_layernorm_output(xg);
+      (ln_out.to(torch::kDouble) * gy.to(torch::kDouble)).sum().backward();
+      const auto weight = m->layer_norm_weight.detach();
+      const auto bias =
+          m->layer_norm_bias.defined() ? m->layer_norm_bias.detach() : torch::Tensor();
+      auto [exact, exact_dx] = norm_and_dx(x.to(torch::kDouble), weight.to(torch::kDouble) + 1,
+                                           bias.defined() ? bias.to(torch::kDouble) : bias);
+      auto [rounded, rounded_dx] = norm_and_dx(x, weight + 1, bias);  // 1 + gamma in dtype
+      auto differing = [&](const torch::Tensor& got, const torch::Tensor& want) {
+        return got.ne(want.to(dtype)).to(torch::kDouble).mean().item<double>();
+      };
+      EXPECT_LT(differing(ln_out, exact), 1e-3);
+      EXPECT_LT(differing(xg.grad(), exact_dx), 1e-3);
+      EXPECT_GT(differing(rounded, exact), 0.1);
+      EXPECT_GT(differing(rounded_dx, exact_dx), 0.1);
+    }
+  }
+}
+
 TEST(LayerNormMLP, ParametersHaveTeNamesAndShapes) {
   LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn).activation("swiglu").device(torch::kCPU));
   std::vector<std::string> names;
@@ -276,7 +329,7 @@ TEST(LayerNormModules, MisuseGetsErrorsNamingTheModule) {
   EXPECT_CONTAINS(msg, "splitgrad layer 'mlp'");
   EXPECT_CONTAINS(msg, "[*, 8]");
   msg = error_message([&] { m->forward(torch::randn({2, kHidden}, torch::kDouble)); });
-  EXPECT_CONTAINS(msg, "'mlp': expected input of dtype torch.float32");
+  EXPECT_CONTAINS(msg, "'mlp' (fc1): expected input of dtype torch.float32");
   msg = error_message([&] { m->forward(torch::Tensor()); });
   EXPECT_CONTAINS(msg, "'mlp': expected an input of shape [*, 8], got an undefined tensor");
   msg = error_message([&] { LayerNormMLP(LayerNormMLPOptions(8, 8).activation("tanh")); });
@@ -296,6 +349,43 @@ TEST(LayerNormModules, MisuseGetsErrorsNamingTheModule) {
   // A regular module's backward_dw() does nothing.
   m->forward(torch::randn({2, kHidden})).sum().backward();
   m->backward_dw();
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+}
+
+TEST(LayerNormModules, GemmErrorsNameTheModuleAndTheGemm) {
+  // An error from one of LayerNormMLP's two GEMMs says which: parameters replaced by ones of the
+  // wrong dtype or shape, a fused module missing one GEMM's main_grad.
+  auto fresh = [](bool fused = false) {
+    return LayerNormMLP(LayerNormMLPOptions(kHidden, kFfn)
+                            .name("blocks.0.mlp")
+                            .fuse_wgrad_accumulation(fused)
+                            .device(torch::kCPU));
+  };
+  const auto x = torch::randn({2, kHidden});
+  auto m = fresh();
+  m->fc2_weight = torch::randn({kHidden, kFfn}, torch::kDouble);
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc2): expected input of dtype torch.float64");
+  m = fresh();
+  m->fc2_weight = torch::randn({kHidden, kFfn + 1});
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc2): expected input of shape [*, 13]");
+  m = fresh();
+  m->fc1_weight = torch::randn({kFfn, kHidden}, torch::kDouble);
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc1): expected input of dtype torch.float64");
+  m = fresh();
+  m->fc1_bias = torch::randn({kFfn + 1});
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc1): expected a bias of shape [12]");
+  m = fresh();
+  m->fc2_bias = torch::randn({kHidden}, torch::kDouble);
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "splitgrad layer 'blocks.0.mlp' (fc2): expected a bias of dtype torch.float32");
+  m = fresh(/*fused=*/true);
+  splitgrad::set_main_grad(m->fc1_weight, torch::zeros({kFfn, kHidden}));
+  EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
+                  "'blocks.0.mlp': fuse_wgrad_accumulation=true needs the fc2_weight's main_grad");
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
 }
 

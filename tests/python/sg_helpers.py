@@ -42,11 +42,19 @@ class RefLinear(nn.Linear):
 
 def _ref_norm(module, x):
     """The norm of a LayerNormLinear / LayerNormMLP, as plain PyTorch computes it (nn.LayerNorm's
-    and nn.RMSNorm's functional forms); zero-centred gamma scales by 1 + weight."""
-    gamma = module.layer_norm_weight + 1 if module.zero_centered_gamma else module.layer_norm_weight
+    and nn.RMSNorm's functional forms); zero-centred gamma scales by 1 + weight, with the 1 added
+    in fp32 as TE's kernels add it: a 16-bit module's norm runs in fp32, its output rounded once."""
+    gamma, beta, dtype = module.layer_norm_weight, module.layer_norm_bias, x.dtype
+    in_fp32 = module.zero_centered_gamma and gamma.dtype in LOW_PRECISION
+    if in_fp32:
+        x, gamma, beta = x.float(), gamma.float(), beta.float() if beta is not None else None
+    if module.zero_centered_gamma:
+        gamma = gamma + 1
     if module.normalization == "LayerNorm":
-        return nn.functional.layer_norm(x, gamma.shape, gamma, module.layer_norm_bias, module.eps)
-    return nn.functional.rms_norm(x, gamma.shape, gamma, module.eps)
+        out = nn.functional.layer_norm(x, gamma.shape, gamma, beta, module.eps)
+    else:
+        out = nn.functional.rms_norm(x, gamma.shape, gamma, module.eps)
+    return out.to(dtype) if in_fp32 else out
 
 
 def _ref_outputs(module, out, bias, ln_out):

@@ -241,6 +241,39 @@ def case_grouped_experts(rank, world, mode):
     reducer.remove()
 
 
+def case_layernorm_modules(rank, world, mode):
+    """A delayed LayerNormLinear (RMSNorm) and LayerNormMLP (swiglu) sharing their norm weight, one
+    bucket per parameter, two steps: the GEMMs' parameters reduced once each, after their module's
+    backward_dw (buckets in order: the norms' immediate gradients with the buckets before them, the
+    shared norm weight after the LayerNormLinear's W); equal to plain autograd over all ranks' data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        splitgrad.LayerNormLinear(D, D, normalization="RMSNorm", device="cpu", delay_wgrad_compute=True,
+                                  name="qkv"),
+        splitgrad.LayerNormMLP(D, 2 * D, activation="swiglu", device="cpu", delay_wgrad_compute=True, name="mlp"))
+    model[1].layer_norm_weight = model[0].layer_norm_weight
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode)
+    for step in range(2):
+        data = rank_batches(step, world)
+        reducer.launch_log.clear()
+        tracker = Tracker(reducer)
+        x, t = data[rank][0]
+        tracker.backward(mse(model, x, t))
+        assert reducer.launch_log == []  # the first bucket (fc2_bias) waits for the mlp's W
+        tracker.backward_dw(model[1])
+        tracker.backward_dw(model[0])
+        reducer.finish()
+        expected = {f"1.{name}": "W mlp" for name in ("fc2_bias", "fc2_weight", "fc1_bias", "fc1_weight",
+                                                       "layer_norm_bias")}
+        expected.update({"0.bias": "W qkv", "0.weight": "W qkv", "0.layer_norm_weight": "W qkv"})
+        assert_each_launched_once(reducer, tracker, expected)
+        reference_step(reference, data, mse)
+        assert_reduced_match(model, reference, reducer, world)
+        zero_grads(model, reference)
+    reducer.remove()
+
+
 class TiedLM(nn.Module):
     """An embedding tied to a delayed output splitgrad.Linear, with a delayed layer between."""
 
@@ -671,6 +704,7 @@ _CASES = {
     "finish_twice": case_finish_twice,
     "pending_at_finish": case_pending_at_finish,
     "grouped_experts": case_grouped_experts,
+    "layernorm_modules": case_layernorm_modules,
 }
 for _cap, _label in ((TINY, "per_param"), (25, "one_bucket")):
     _CASES[f"w_order_{_label}"] = functools.partial(case_rank_dependent_w_order, cap=_cap)
@@ -708,6 +742,11 @@ def test_tied_delayed_layers_and_regular_layer(results, mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_grouped_linear_experts(results, mode):
     check_case(results, f"grouped_experts[{mode}]")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layernorm_linear_and_mlp_sharing_a_norm_weight(results, mode):
+    check_case(results, f"layernorm_modules[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -407,6 +407,52 @@ def case_grouped_experts(rank, world):
     assert_sharded_grads_match(model, reference, "grouped experts")
 
 
+class LayerNormBlock(nn.Module):
+    """A TE-style unit: a delayed LayerNormLinear (RMSNorm) and a delayed LayerNormMLP (swiglu)."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.qkv = splitgrad.LayerNormLinear(D, D, normalization="RMSNorm", device="cpu", delay_wgrad_compute=True,
+                                             name=f"{name}.qkv")
+        self.mlp = splitgrad.LayerNormMLP(D, 2 * D, activation="swiglu", device="cpu", delay_wgrad_compute=True,
+                                          name=f"{name}.mlp")
+
+    def forward(self, x):
+        x = x + torch.tanh(self.qkv(x))
+        return x + self.mlp(x)
+
+
+def case_layernorm_modules(rank, world):
+    """Units of LayerNormLinear and LayerNormMLP, two steps with SGD: each unit reduce-scatters once,
+    after the backward_dw of its last delayed module (the norms' gradients, computed in the backward,
+    wait for it); sharded gradients and parameters equal plain autograd over all ranks' data."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LayerNormBlock("blocks.0"), LayerNormBlock("blocks.1"))
+    reference = to_reference(model)
+    for block in model:
+        sgd.fully_shard(block)
+    sgd.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    layers = [m for m in model.modules() if isinstance(m, (splitgrad.LayerNormLinear, splitgrad.LayerNormMLP))]
+    for step in range(2):
+        xs = [torch.randn(BATCH, TOKENS, D, generator=torch.Generator().manual_seed(100 * step + r))
+              for r in range(world)]
+        tracker = LogTracker()
+        tracker.do("B", lambda: model(xs[rank]).square().mean().backward())
+        for layer in reversed(layers):
+            tracker.do(f"W {layer.name}", layer.backward_dw)
+        assert tracker.during == [("blocks.1.qkv, blocks.1.mlp", "backward_dw", "W blocks.1.qkv"),
+                                  ("blocks.0.qkv, blocks.0.mlp", "backward_dw", "W blocks.0.qkv")], tracker.during
+        (sum(reference(x).square().mean() for x in xs) / world).backward()
+        assert_sharded_grads_match(model, reference, f"step {step}")
+        optimizer.step()
+        ref_optimizer.step()
+        assert_params_match(model, reference, f"after step {step}")
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+
+
 CASES = {
     "one_step": case_one_step,
     "tied_block": functools.partial(case_one_step, tied_block=True),
@@ -419,6 +465,7 @@ CASES = {
     "refuses_main_grad": case_refuses_main_grad,
     "pending_work_checks": case_pending_work_checks,
     "grouped_experts": case_grouped_experts,
+    "layernorm_modules": case_layernorm_modules,
 }
 
 
@@ -466,6 +513,10 @@ def test_pending_work_checks_see_the_unsharded_parameters(results):
 
 def test_grouped_linear_experts(results):
     check_case(results, "grouped_experts")
+
+
+def test_layernorm_linear_and_mlp_units(results):
+    check_case(results, "layernorm_modules")
 
 
 def test_fuse_wgrad_accumulation_is_refused(results):

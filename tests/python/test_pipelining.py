@@ -536,6 +536,42 @@ def case_grouped_experts(rank, world):
     dist.barrier()
 
 
+class LayerNormBlock(nn.Module):
+    """A TE-style block: a delayed LayerNormLinear (RMSNorm) and a delayed LayerNormMLP (swiglu),
+    each with a residual."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = splitgrad.LayerNormLinear(D, D, normalization="RMSNorm", device="cpu", delay_wgrad_compute=True)
+        self.mlp = splitgrad.LayerNormMLP(D, 2 * D, activation="swiglu", device="cpu", delay_wgrad_compute=True)
+
+    def forward(self, x):
+        x = x + torch.tanh(self.qkv(x))
+        return x + self.mlp(x)
+
+
+def case_layernorm_modules(rank, world):
+    """ZB1P over stages of LayerNormLinear / LayerNormMLP blocks: each W step runs its micro-batch's
+    work of both modules (fc2's and fc1's for the MLP), the norms' gradients land in B; gradients
+    equal plain autograd's."""
+    torch.manual_seed(0)
+    pieces = [Embed()] + [LayerNormBlock() for _ in range(BLOCKS)] + [Head(splitgrad_linear)]
+    reference = to_reference(nn.Sequential(*pieces))
+    ref_params = dict(reference.named_parameters())
+    module = stage_module(pieces, rank, world)[0]
+    stage = splitgrad.pipelining.PipelineStage(module, rank, world, "cpu")
+    kinds = {type(layer) for layer in stage.delayed_layers}
+    assert {splitgrad.LayerNormLinear, splitgrad.LayerNormMLP} <= kinds, kinds
+    schedule = P.ScheduleInterleavedZeroBubble([stage], n_microbatches=N_MICRO, loss_fn=lm_loss)
+    stage.timeline = splitgrad.pipelining.StageTimeline()
+    pipeline_step(schedule, {rank: module}, 0, world)
+    assert splitgrad.pending_wgrads() == 0, splitgrad.layers_with_pending_wgrads()
+    check_timeline(stage.timeline, [stage], 1)
+    reference_step(reference, *step_data(0))
+    assert_grads_equal_reference({rank: module}, ref_params, "LayerNorm modules")
+    dist.barrier()
+
+
 CASES = {f"schedule[{name}]": functools.partial(run_schedule, name=name) for name in SCHEDULES}
 CASES["schedule[ZB1P-main_grad]"] = functools.partial(run_schedule, name="ZB1P", fused=True)
 CASES["schedule[ZBV-main_grad]"] = functools.partial(run_schedule, name="ZBV", fused=True)
@@ -543,6 +579,7 @@ CASES["leftover_work"] = case_leftover_work
 CASES["second_stage"] = case_second_stage
 CASES["tied_parameter_checks"] = case_tied_parameter_checks
 CASES["grouped_experts"] = case_grouped_experts
+CASES["layernorm_modules"] = case_layernorm_modules
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -577,6 +614,10 @@ def test_leftover_deferred_work_is_an_error_and_nothing_is_lost(results):
 
 def test_grouped_linear_experts_under_zero_bubble(results):
     check_case(results, "grouped_experts")
+
+
+def test_layernorm_modules_under_zero_bubble(results):
+    check_case(results, "layernorm_modules")
 
 
 def test_second_stage_over_the_same_module(results):
