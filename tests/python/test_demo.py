@@ -59,6 +59,7 @@ def test_demo_refuses_an_output_folder_it_cannot_create(tmp_path):
     (["--lr", "-1"], "--lr must be a positive number, got -1.0"),
     (["--lr", "nan"], "--lr must be a positive number, got nan"),
     (["--tolerance", "nan"], "--tolerance must be a number, got nan"),
+    (["--moe", "--topk", "5"], "--topk must be between 1 and --experts 4, got 5"),
     (["--model", "big"], "argument --model: invalid choice: 'big' (choose from 'tiny', 'small', 'gpt2-medium', '1b')"),
     # a GPU size defaults to CUDA, one GPU per rank (64 are visible nowhere)
     (["--model", "1b", "--stages", "64", "--micro-batches", "64", "--compare", ""],
@@ -98,6 +99,19 @@ def test_demo_bfloat16_trains_with_fp32_main_grad(tmp_path):
     assert "bfloat16" in printed
     assert "PARITY OK" in printed
     assert "copies on the first and the last stage are bit-identical" in printed
+
+
+def test_demo_moe_trains_under_zero_bubble_with_parity(tmp_path):
+    """--moe: each block's MLP a top-2 mixture of 4 experts on delayed splitgrad.GroupedLinear (and a
+    delayed splitgrad.Linear router), trained under ZB1P on 2 processes; every parameter, experts'
+    included, must match the plain per-expert F.linear model to float32's tolerance."""
+    status, printed = run_demo("--moe", "--compare", "", "--out", str(tmp_path))
+    assert status == 0, printed
+    assert "a top-2 MoE of 4 GroupedLinear experts" in printed, printed
+    assert "PARITY OK" in printed
+    assert "copies on the first and the last stage are bit-identical" in printed
+    difference = float(printed.split("largest difference ")[1].split(" ")[0])
+    assert difference <= 1e-5, printed
 
 
 def test_zero_bubble_example_script_trains_under_torchrun():
@@ -187,3 +201,54 @@ def test_only_the_gemm_parameters_are_fused():
     hooked = sorted(n for n, p in model.named_parameters() if id(p) not in fused)
     assert hooked == ["0.positions", "0.tokens.weight", "1.mlp.layer_norm_bias", "1.mlp.layer_norm_weight",
                       "1.qkv.layer_norm_bias", "1.qkv.layer_norm_weight", "2.norm.bias", "2.norm.weight"]
+
+
+def test_the_moe_reference_is_plain_pytorch_with_the_same_weights():
+    """--moe's parity reference: the same MoE blocks with per-expert F.linear experts
+    (tinygpt.PlainGroupedLinear) and an nn.Linear router, with the splitgrad model's parameters and
+    names, computing the same function; after one backward (and the deferred W) every gradient,
+    each expert's included, is plain autograd's, bit for bit on the CPU. The experts get their
+    counts as an int64 tensor (m_splits), and the routing is uneven."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import demo
+        import tinygpt
+    finally:
+        sys.path.remove(str(DEMO.parent))
+    import splitgrad
+
+    shape = dict(vocab=40, dim=32, heads=4, layers=2, context=16, seed=3, experts=4, topk=2)
+    ours = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.float32), **shape))
+    plain = nn.Sequential(*tinygpt.build_pieces(tinygpt.plain_layers("cpu", torch.float32), **shape))
+    mlp = ours[1].mlp
+    assert isinstance(mlp, tinygpt.MoEMLP) and isinstance(mlp.router, splitgrad.Linear)
+    assert isinstance(mlp.fc1, splitgrad.GroupedLinear) and mlp.fc1.num_gemms == 4 and mlp.fc1.delay_wgrad_compute
+    assert isinstance(plain[1].mlp.fc1, tinygpt.PlainGroupedLinear) and type(plain[1].mlp.router) is nn.Linear
+    assert not any(isinstance(m, demo.SPLITGRAD_MODULES) for m in plain.modules())
+    ours_params = dict(ours.named_parameters())
+    plain_params = tinygpt.te_named_parameters(plain)
+    assert sorted(ours_params) == sorted(plain_params)
+    assert "1.mlp.fc1.weight3" in ours_params and "2.mlp.fc2.bias0" in ours_params
+    for name, p in ours_params.items():
+        assert torch.equal(p, plain_params[name]), name
+
+    splits = []
+    mlp.fc1.register_forward_pre_hook(lambda module, args: splits.append(args[1]))
+    ids = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 40, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = ours(ids)
+    torch.testing.assert_close(logits, plain(ids), rtol=0, atol=0)
+    (m_splits,) = splits
+    assert isinstance(m_splits, torch.Tensor) and m_splits.dtype == torch.int64
+    assert m_splits.sum().item() == 2 * 16 * 2 and len(set(m_splits.tolist())) > 1, m_splits
+
+    tinygpt.lm_loss(logits, targets).backward()
+    assert splitgrad.pending_wgrads() > 0  # the experts' and the router's W is deferred
+    splitgrad.backward_dw_all()
+    tinygpt.lm_loss(plain(ids), targets).backward()
+    for name, p in ours_params.items():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, plain_params[name].grad, rtol=0, atol=0, msg=name)
