@@ -20,6 +20,36 @@ def run_demo(*args, timeout=300):
     return done.returncode, done.stdout + done.stderr
 
 
+def import_examples():
+    """examples/demo.py and examples/tinygpt.py as modules."""
+    sys.path.insert(0, str(DEMO.parent))
+    try:
+        import demo
+        import tinygpt
+    finally:
+        sys.path.remove(str(DEMO.parent))
+    return demo, tinygpt
+
+
+def twin_models(**shape):
+    """The demo's splitgrad model and its plain-PyTorch reference on the CPU in float32, checked
+    to have the same parameters under the same (TE's) names, equal at the start, and no splitgrad
+    module in the reference. Returns both models and their parameters by name."""
+    import torch
+    from torch import nn
+
+    demo, tinygpt = import_examples()
+    ours = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.float32), **shape))
+    plain = nn.Sequential(*tinygpt.build_pieces(tinygpt.plain_layers("cpu", torch.float32), **shape))
+    assert not any(isinstance(m, demo.SPLITGRAD_MODULES) for m in plain.modules())
+    ours_params = dict(ours.named_parameters())
+    plain_params = tinygpt.te_named_parameters(plain)
+    assert sorted(ours_params) == sorted(plain_params)
+    for name, p in ours_params.items():
+        assert torch.equal(p, plain_params[name]), name
+    return ours, plain, ours_params, plain_params
+
+
 @pytest.mark.parametrize("schedule", ["zb1p", "zbv"])
 def test_demo_reports_parity_bubbles_and_writes_the_plots(tmp_path, schedule):
     pytest.importorskip("matplotlib", reason="the demo's plots need matplotlib (installed by scripts/env.sh)")
@@ -152,29 +182,15 @@ def test_the_reference_is_plain_pytorch_with_the_same_weights():
     import torch
     from torch import nn
 
-    sys.path.insert(0, str(DEMO.parent))
-    try:
-        import demo
-        import tinygpt
-    finally:
-        sys.path.remove(str(DEMO.parent))
     import splitgrad
 
-    shape = dict(vocab=40, dim=32, heads=4, layers=2, context=16, seed=3)
-    ours = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.float32), **shape))
-    plain = nn.Sequential(*tinygpt.build_pieces(tinygpt.plain_layers("cpu", torch.float32), **shape))
+    ours, plain, ours_params, _ = twin_models(vocab=40, dim=32, heads=4, layers=2, context=16, seed=3)
     kinds = {type(m) for m in ours.modules()}
     assert {splitgrad.LayerNormLinear, splitgrad.LayerNormMLP, splitgrad.Linear} <= kinds
     assert isinstance(ours[1].qkv, splitgrad.LayerNormLinear) and isinstance(ours[1].mlp, splitgrad.LayerNormMLP)
     assert ours[1].mlp.activation == "gelu" and ours[1].qkv.normalization == "LayerNorm"
-    assert not any(isinstance(m, demo.SPLITGRAD_MODULES) for m in plain.modules())
     assert sum(isinstance(m, nn.LayerNorm) for m in plain.modules()) == 2 * 2 + 1
-    ours_params = dict(ours.named_parameters())
-    plain_params = tinygpt.te_named_parameters(plain)
-    assert sorted(ours_params) == sorted(plain_params)
     assert "1.qkv.layer_norm_weight" in ours_params and "2.mlp.fc2_bias" in ours_params
-    for name, p in ours_params.items():
-        assert torch.equal(p, plain_params[name]), name
     ids = torch.randint(0, 40, (2, 16))
     torch.testing.assert_close(ours(ids), plain(ids), rtol=0, atol=0)
     assert splitgrad.pending_wgrads() == 0  # nothing was backpropagated
@@ -187,13 +203,7 @@ def test_only_the_gemm_parameters_are_fused():
     import torch
     from torch import nn
 
-    sys.path.insert(0, str(DEMO.parent))
-    try:
-        import demo
-        import tinygpt
-    finally:
-        sys.path.remove(str(DEMO.parent))
-
+    demo, tinygpt = import_examples()
     shape = dict(vocab=40, dim=32, heads=4, layers=1, context=16, seed=0)
     model = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.bfloat16), **shape,
                                                 dtype=torch.bfloat16))
@@ -212,28 +222,16 @@ def test_the_moe_reference_is_plain_pytorch_with_the_same_weights():
     import torch
     from torch import nn
 
-    sys.path.insert(0, str(DEMO.parent))
-    try:
-        import demo
-        import tinygpt
-    finally:
-        sys.path.remove(str(DEMO.parent))
     import splitgrad
 
-    shape = dict(vocab=40, dim=32, heads=4, layers=2, context=16, seed=3, experts=4, topk=2)
-    ours = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.float32), **shape))
-    plain = nn.Sequential(*tinygpt.build_pieces(tinygpt.plain_layers("cpu", torch.float32), **shape))
+    _, tinygpt = import_examples()
+    ours, plain, ours_params, plain_params = twin_models(vocab=40, dim=32, heads=4, layers=2, context=16, seed=3,
+                                                         experts=4, topk=2)
     mlp = ours[1].mlp
     assert isinstance(mlp, tinygpt.MoEMLP) and isinstance(mlp.router, splitgrad.Linear)
     assert isinstance(mlp.fc1, splitgrad.GroupedLinear) and mlp.fc1.num_gemms == 4 and mlp.fc1.delay_wgrad_compute
     assert isinstance(plain[1].mlp.fc1, tinygpt.PlainGroupedLinear) and type(plain[1].mlp.router) is nn.Linear
-    assert not any(isinstance(m, demo.SPLITGRAD_MODULES) for m in plain.modules())
-    ours_params = dict(ours.named_parameters())
-    plain_params = tinygpt.te_named_parameters(plain)
-    assert sorted(ours_params) == sorted(plain_params)
     assert "1.mlp.fc1.weight3" in ours_params and "2.mlp.fc2.bias0" in ours_params
-    for name, p in ours_params.items():
-        assert torch.equal(p, plain_params[name]), name
 
     splits = []
     mlp.fc1.register_forward_pre_hook(lambda module, args: splits.append(args[1]))
