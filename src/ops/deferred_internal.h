@@ -70,6 +70,20 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                               const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
 
+/// Whether `t` is a tracing placeholder (meta, fake or functional tensor) with no values to read
+/// or stash.
+bool is_traced(const at::Tensor& t);
+
+/// The end of a linear (`m_splits` undefined, one sink) or grouped (a sink per group) backward,
+/// for the gradients this pass writes to parameters (the sinks): without `delay`, added at once
+/// (accumulate_wgrad / accumulate_grouped_wgrad; the ledger counts them as this pass's own); with
+/// it, queued as one item of the store for backward_dw(), or, where the layer was deleted since its
+/// forward, dropped with a warning. `module` ("splitgrad.Linear") is named in the refusal to queue
+/// tracing placeholders.
+void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
+                         const at::Tensor& input, const at::Tensor& m_splits,
+                         const std::vector<WgradSinks>& sinks, const char* module);
+
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);
 

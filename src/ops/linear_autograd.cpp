@@ -138,58 +138,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       if (bias_wanted && !bias_sink) grads[2] = bias_grad;
     }
     if (!weight_sink && !bias_sink) return grads;
-    WgradSinks sinks{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
-                     weight_sink ? weight_main_grad : at::Tensor(),
-                     bias_sink ? bias_main_grad : at::Tensor()};
-
-    PassScope pass;
-    auto& ledger = core::GradLedger::instance();
-    if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
-      for (const auto& p : {sinks.weight, sinks.bias}) {
-        if (p.defined()) ledger.note_autograd_contribution(p, pass.id());
-      }
-      accumulate_wgrad(grad_output, input, sinks);
-      return grads;
-    }
-    if (!core::WgradStore::instance().is_registered(layer)) {
-      // The layer was deleted between its forward and this backward. As for work pending when a
-      // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
-      // skip this pass), but the rest of the backward pass goes on.
-      TORCH_WARN(layer_label(layer),
-                 " was deleted before its backward pass: its deferred weight "
-                 "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
-      for (const auto& target : {sinks.weight, sinks.bias}) {
-        if (!target.defined()) continue;
-        ledger.expect_deferred(target, pass.id());
-        ledger.deferred_dropped(target, pass.id());
-      }
-      return grads;
-    }
-    // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
-    // functional tensors, Python-dispatched subclasses) would hold placeholders, not data.
-    auto traced = [](const at::Tensor& t) {
-      return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
-             t.key_set().has(c10::DispatchKey::Python);
-    };
-    TORCH_CHECK(
-        !traced(input) && !traced(grad_output), layer_label(layer),
-        ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
-        "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. "
-        "splitgrad.Linear runs delayed layers outside compiled graphs; call the op eagerly.");
-    core::DeferredWgrad item;
-    item.layer = layer;
-    item.pass = pass.id();
-    item.input = input;
-    item.grad_output = grad_output;
-    item.input_version = input._version();
-    item.grad_output_version = grad_output._version();
-    item.weight = core::weak_ref(sinks.weight);
-    item.bias = core::weak_ref(sinks.bias);
-    item.weight_main_grad = sinks.weight_main_grad;
-    item.bias_main_grad = sinks.bias_main_grad;
-    item.stream = current_stream_of(input);
-    for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
-    core::WgradStore::instance().push(std::move(item));
+    accumulate_or_defer(
+        layer, delay, grad_output, input, /*m_splits=*/at::Tensor(),
+        {{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
+          weight_sink ? weight_main_grad : at::Tensor(),
+          bias_sink ? bias_main_grad : at::Tensor()}},
+        "splitgrad.Linear");
     return grads;
   }
 };
