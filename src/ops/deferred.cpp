@@ -274,6 +274,20 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
   }
 }
 
+void check_registered_if_delayed(Who who, bool delay, core::LayerId layer) {
+  TORCH_CHECK_VALUE(!delay || WgradStore::instance().is_registered(layer), who(),
+                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
+                    "store (layer_id ",
+                    layer, " is not)");
+}
+
+void check_no_fused_double_backward(Who who, bool fused_gradient_wanted) {
+  TORCH_CHECK(!fused_gradient_wanted, who(),
+              ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
+              "(double backward): main_grad is not differentiable. Build the layer with "
+              "fuse_wgrad_accumulation=False for higher-order gradients.");
+}
+
 bool is_traced(const at::Tensor& t) {
   return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
          t.key_set().has(c10::DispatchKey::Python);

@@ -9,6 +9,7 @@
 
 #include "core/grad_ledger.h"
 #include "core/wgrad_store.h"
+#include "ops/checks.h"
 
 namespace splitgrad::detail {
 
@@ -69,6 +70,13 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
 /// (tied experts): its contributions are added in group order.
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                               const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
+
+/// delay_wgrad_compute=True needs the layer registered with the deferred-wgrad store.
+void check_registered_if_delayed(Who who, bool delay, core::LayerId layer);
+
+/// A backward with create_graph=True (double backward) cannot fuse a gradient into main_grad,
+/// which is not differentiable: refused where `fused_gradient_wanted`.
+void check_no_fused_double_backward(Who who, bool fused_gradient_wanted);
 
 /// Whether `t` is a tracing placeholder (meta, fake or functional tensor) with no values to read
 /// or stash.

@@ -54,10 +54,7 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
       check_main_grad(who, c10::str("bias", i), bias_main_grad, biases[i]);
     }
   }
-  TORCH_CHECK_VALUE(!delay || core::WgradStore::instance().is_registered(layer_id), who(),
-                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
-                    "store (layer_id ",
-                    layer_id, " is not)");
+  check_registered_if_delayed(who, delay, layer_id);
 }
 
 // The parameters in the forward's compute dtype: autocast's (set by linear_autocast.cpp for this
@@ -145,12 +142,10 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       // backward(create_graph=True): differentiable ATen ops per group (the splits are read on
       // the host: this path is not the hot one).
       for (size_t i = 0; i < groups; ++i) {
-        TORCH_CHECK(!(weight_wanted[i] && entry(weight_main_grads, i).defined()) &&
-                        !(bias_wanted[i] && entry(bias_main_grads, i).defined()),
-                    who_of(layer),
-                    ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
-                    "(double backward): main_grad is not differentiable. Build the layer with "
-                    "fuse_wgrad_accumulation=False for higher-order gradients.");
+        check_no_fused_double_backward(
+            [&] { return who_of(layer); },
+            (weight_wanted[i] && entry(weight_main_grads, i).defined()) ||
+                (bias_wanted[i] && entry(bias_main_grads, i).defined()));
       }
       const at::Tensor dy = flatten_tokens(grad_output);
       const at::Tensor x = flatten_tokens(input);

@@ -33,10 +33,7 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
                       ": got bias_main_grad but the layer has no bias");
     check_main_grad(who, "bias", *bias_main_grad, *bias);
   }
-  TORCH_CHECK_VALUE(!delay || core::WgradStore::instance().is_registered(layer_id), who(),
-                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
-                    "store (layer_id ",
-                    layer_id, " is not)");
+  check_registered_if_delayed(who, delay, layer_id);
 }
 
 // The forward's compute dtype: autocast's (set by linear_autocast.cpp for this call), else the
@@ -99,12 +96,10 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (at::GradMode::is_enabled()) {
       // backward(create_graph=True): the gradients must be differentiable themselves, so they
       // are computed now with ATen's differentiable ops (splitgrad's have no double backward).
-      TORCH_CHECK(!(weight_wanted && weight_main_grad.defined()) &&
-                      !(bias_wanted && bias_main_grad.defined()),
-                  layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"),
-                  ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
-                  "(double backward): main_grad is not differentiable. Build the layer with "
-                  "fuse_wgrad_accumulation=False for higher-order gradients.");
+      check_no_fused_double_backward(
+          [&] { return layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"); },
+          (weight_wanted && weight_main_grad.defined()) ||
+              (bias_wanted && bias_main_grad.defined()));
       const at::Tensor dy = flatten_tokens(grad_output);
       if (ctx->needs_input_grad(0))
         grads[0] = at::matmul(grad_output, in_compute_dtype(weight, compute_dtype));
