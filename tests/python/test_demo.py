@@ -196,21 +196,26 @@ def test_the_reference_is_plain_pytorch_with_the_same_weights():
     assert splitgrad.pending_wgrads() == 0  # nothing was backpropagated
 
 
-def test_only_the_gemm_parameters_are_fused():
-    """In bf16 the GEMMs' weights and biases add into main_grad inside their W steps; the norms'
-    parameters (layer_norm_weight / layer_norm_bias, as in TE) and the embeddings go through .grad
-    and the hook."""
+@pytest.mark.parametrize("experts", [0, 3], ids=["dense", "moe"])
+def test_only_the_gemm_parameters_are_fused(experts):
+    """In bf16 the GEMMs' weights and biases add into main_grad inside their W steps (--moe: the
+    router's and every expert's too); the norms' parameters (layer_norm_weight / layer_norm_bias,
+    as in TE; the MoE block's nn.LayerNorm) and the embeddings go through .grad and the hook."""
     import torch
     from torch import nn
 
     demo, tinygpt = import_examples()
-    shape = dict(vocab=40, dim=32, heads=4, layers=1, context=16, seed=0)
+    shape = dict(vocab=40, dim=32, heads=4, layers=1, context=16, seed=0, experts=experts)
     model = nn.Sequential(*tinygpt.build_pieces(demo.delayed_layers(torch.device("cpu"), torch.bfloat16), **shape,
                                                 dtype=torch.bfloat16))
     fused = demo.fused_parameters(model)
     hooked = sorted(n for n, p in model.named_parameters() if id(p) not in fused)
-    assert hooked == ["0.positions", "0.tokens.weight", "1.mlp.layer_norm_bias", "1.mlp.layer_norm_weight",
-                      "1.qkv.layer_norm_bias", "1.qkv.layer_norm_weight", "2.norm.bias", "2.norm.weight"]
+    mlp_norm = ["1.mlp.norm.bias", "1.mlp.norm.weight"] if experts else ["1.mlp.layer_norm_bias",
+                                                                          "1.mlp.layer_norm_weight"]
+    assert hooked == ["0.positions", "0.tokens.weight", *mlp_norm, "1.qkv.layer_norm_bias", "1.qkv.layer_norm_weight",
+                      "2.norm.bias", "2.norm.weight"]
+    if experts:
+        assert {id(model[1].mlp.router.weight), id(model[1].mlp.fc2.weight2), id(model[1].mlp.fc1.bias0)} <= fused
 
 
 def test_the_moe_reference_is_plain_pytorch_with_the_same_weights():
