@@ -9,17 +9,21 @@ output layer is a splitgrad.Linear. All are built with delay_wgrad_compute=True,
 step computes only input gradients (and the norms' gradients) and its W step runs the deferred
 weight gradients (splitgrad.pipelining.PipelineStage). The token embedding on the first stage is
 tied to the output layer on the last: each holds a copy, and the copies' gradients are summed after
-the W steps (splitgrad.pipelining.TiedParameter).
+the W steps (splitgrad.pipelining.TiedParameter). With --moe each block's MLP is a top-k routed
+mixture of experts instead (tinygpt.MoEMLP): a nn.LayerNorm, a delayed splitgrad.Linear router, and
+the experts' fc1 and fc2 as delayed splitgrad.GroupedLinear layers, fed the tokens sorted by expert
+and the per-expert counts as an integer tensor on the device (m_splits).
 
 At the end the job prints and checks that the parameters equal those of a single-process
 plain-autograd run of the same model in plain PyTorch modules (nn.LayerNorm, nn.Linear, the
-activation; tinygpt.plain_layers) on the same data, measures each rank's F / B / W intervals,
-prints the bubble fraction of the chosen schedule next to 1F1B's (or --compare's), and writes a
-timeline PNG and a loss-curve PNG.
+activation, one F.linear per expert for --moe; tinygpt.plain_layers) on the same data, measures
+each rank's F / B / W intervals, prints the bubble fraction of the chosen schedule next to 1F1B's
+(or --compare's), and writes a timeline PNG and a loss-curve PNG.
 
     python examples/demo.py [--stages 2] [--schedule zb1p] [--compare 1f1b] [--steps 60]
                             [--micro-batches 8] [--model tiny|small|gpt2-medium|1b]
                             [--device cpu|cuda] [--dtype float32|bfloat16|float16]
+                            [--moe [--experts 4] [--topk 2]]
 
 --model picks the model's shape (MODELS below); tiny (the default) runs in float32 on the CPU in
 seconds, the GPU sizes default to CUDA and bfloat16, one GPU per pipeline rank. In bfloat16 or
@@ -97,7 +101,8 @@ def resolve_model(args, corpus_vocab: int) -> int:
 
 
 def delayed_layers(device, dtype) -> tinygpt.Layers:
-    """The main job's layers: delayed splitgrad modules (LayerNormLinear, Linear, LayerNormMLP);
+    """The main job's layers: delayed splitgrad modules (LayerNormLinear, Linear, LayerNormMLP,
+    GroupedLinear for --moe's experts);
     below float32 their GEMMs add the weight and bias gradients in fp32 into ``main_grad``
     (fuse_wgrad_accumulation), which attach_main_grads sets."""
     kw = dict(params_dtype=dtype, device=device, delay_wgrad_compute=True,
@@ -106,12 +111,13 @@ def delayed_layers(device, dtype) -> tinygpt.Layers:
         linear=lambda i, o, bias=True: splitgrad.Linear(i, o, bias, **kw),
         layernorm_linear=lambda i, o: splitgrad.LayerNormLinear(i, o, **kw),
         layernorm_mlp=lambda h, f: splitgrad.LayerNormMLP(h, f, activation=tinygpt.ACTIVATION, **kw),
+        grouped_linear=lambda n, i, o: splitgrad.GroupedLinear(n, i, o, **kw),
     )
 
 
 #: splitgrad's modules; with fuse_wgrad_accumulation, the GEMMs' parameters (all but the norm's,
 #: ``layer_norm_*``) get their gradients added to main_grad by the module itself.
-SPLITGRAD_MODULES = (splitgrad.Linear, splitgrad.LayerNormLinear, splitgrad.LayerNormMLP)
+SPLITGRAD_MODULES = (splitgrad.Linear, splitgrad.LayerNormLinear, splitgrad.LayerNormMLP, splitgrad.GroupedLinear)
 
 
 def fused_parameters(module: nn.Module) -> set[int]:
@@ -213,7 +219,7 @@ def theoretical_bubble(name: str, ranks: int, micro_batches: int) -> float | Non
 def model_shape(args, vocab: int) -> dict:
     """tinygpt.build_pieces's shape arguments."""
     return dict(vocab=vocab, dim=args.dim, heads=args.heads, layers=args.layers, context=args.context,
-                seed=args.seed)
+                seed=args.seed, experts=args.experts if args.moe else 0, topk=args.topk)
 
 
 def train_pipeline(rank: int, world: int, name: str, steps: int, args, data, vocab, device, dtype):
@@ -436,6 +442,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="below float32: fp32 main_grad (fused in splitgrad's GEMMs) and fp32 master weights")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--moe", action="store_true",
+                        help="each block's MLP a top-k routed mixture of experts on splitgrad.GroupedLinear")
+    parser.add_argument("--experts", type=int, default=4, help="experts per MoE block (--moe), default 4")
+    parser.add_argument("--topk", type=int, default=2, help="experts per token (--moe), default 2")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="largest parameter difference accepted (default 1e-5 in float32, 5e-2 otherwise)")
     parser.add_argument("--out", default="out", help="folder for the PNGs")
@@ -452,6 +462,8 @@ def main(argv=None) -> int:
     for option in ("batch", "context", "dim", "heads", "layers"):
         if getattr(args, option) < 1:
             parser.error(f"--{option} must be at least 1, got {getattr(args, option)}")
+    if args.moe and not 1 <= args.topk <= args.experts:
+        parser.error(f"--topk must be between 1 and --experts {args.experts}, got {args.topk}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         parser.error(f"--lr must be a positive number, got {args.lr}")
     if args.tolerance is not None and math.isnan(args.tolerance):
@@ -485,8 +497,9 @@ def main(argv=None) -> int:
     label = SCHEDULES[args.schedule][3]
     print(f"splitgrad main job: {label} on {world} processes ({'NCCL' if args.device == 'cuda' else 'gloo'}), "
           f"model {args.model} (dim {args.dim}, {args.heads} heads, vocab {args.vocab}), "
-          f"{args.layers} blocks of delayed splitgrad.LayerNormLinear (QKV), Linear and LayerNormMLP"
-          f"{' with fp32 main_grad' if args.dtype != 'float32' else ''}, "
+          f"{args.layers} blocks of delayed splitgrad.LayerNormLinear (QKV), Linear and "
+          + (f"a top-{args.topk} MoE of {args.experts} GroupedLinear experts" if args.moe else "LayerNormMLP")
+          + f"{' with fp32 main_grad' if args.dtype != 'float32' else ''}, "
           "embedding tied to the output layer across stages, "
           f"{args.micro_batches} micro-batches x {args.batch} x {args.context} tokens, {args.device}, {args.dtype}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,11 +7,14 @@ projection with the first norm fused in (``te.LayerNormLinear``), the attention'
 (``te.Linear``), the MLP with the second norm fused in (``te.LayerNormMLP``, TE's ``"gelu"``).
 ``Layers`` says what builds those three, so one model definition gives both the splitgrad model
 (splitgrad's modules, from examples/demo.py) and its plain-PyTorch twin (``plain_layers``:
-``nn.LayerNorm``, ``nn.Linear`` and the activation) with the same initial values.
+``nn.LayerNorm``, ``nn.Linear`` and the activation) with the same initial values. With ``experts``,
+each block's MLP is a top-k routed mixture of experts instead (``MoEMLP``), its experts built by
+``Layers.grouped_linear`` (splitgrad.GroupedLinear, or ``PlainGroupedLinear``'s per-expert F.linear).
 """
 
 from __future__ import annotations
 
+import math
 import pathlib
 from typing import Callable, NamedTuple
 
@@ -73,11 +76,13 @@ class Layers(NamedTuple):
     """What builds a model's layers: ``linear(in, out, bias=True)``,
     ``layernorm_linear(in, out)`` (LayerNorm, then the linear map) and
     ``layernorm_mlp(hidden, ffn)`` (LayerNorm, fc1, ACTIVATION, fc2), with TE's parameter names or
-    with ``TE_NAMES`` mapping theirs to TE's (``te_named_parameters``)."""
+    with ``TE_NAMES`` mapping theirs to TE's (``te_named_parameters``); for MoE models,
+    ``grouped_linear(experts, in, out)`` (te.GroupedLinear's ``forward(x, m_splits)``)."""
 
     linear: Callable[..., nn.Module]
     layernorm_linear: Callable[[int, int], nn.Module]
     layernorm_mlp: Callable[[int, int], nn.Module]
+    grouped_linear: Callable[[int, int, int], nn.Module] | None = None
 
 
 class PlainLayerNormLinear(nn.Module):
@@ -112,12 +117,37 @@ class PlainLayerNormMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
 
 
+class PlainGroupedLinear(nn.Module):
+    """te.GroupedLinear's function in plain PyTorch: one F.linear per expert on its rows, with its
+    parameter names (``weight0`` …, ``bias0`` …) and splitgrad.GroupedLinear's initialisation order
+    (every weight as nn.Linear's, then every bias)."""
+
+    def __init__(self, experts: int, i: int, o: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.experts = experts
+        for e in range(experts):
+            self.register_parameter(f"weight{e}", nn.Parameter(torch.empty(o, i, device=device, dtype=dtype)))
+        for e in range(experts):
+            self.register_parameter(f"bias{e}", nn.Parameter(torch.empty(o, device=device, dtype=dtype)))
+        with torch.no_grad():
+            for e in range(experts):
+                nn.init.kaiming_uniform_(getattr(self, f"weight{e}"), a=math.sqrt(5))
+            for e in range(experts):
+                nn.init.uniform_(getattr(self, f"bias{e}"), -1 / math.sqrt(i), 1 / math.sqrt(i))
+
+    def forward(self, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+        rows = x.split(m_splits.tolist())  # the reference may read the counts on the host
+        return torch.cat([F.linear(r, getattr(self, f"weight{e}"), getattr(self, f"bias{e}"))
+                          for e, r in enumerate(rows)])
+
+
 def plain_layers(device=None, dtype=None) -> Layers:
     """The plain-PyTorch twin's layers (the reference the splitgrad model is checked against)."""
     return Layers(
         linear=lambda i, o, bias=True: nn.Linear(i, o, bias, device=device, dtype=dtype),
         layernorm_linear=lambda i, o: PlainLayerNormLinear(i, o, device=device, dtype=dtype),
         layernorm_mlp=lambda h, f: PlainLayerNormMLP(h, f, device=device, dtype=dtype),
+        grouped_linear=lambda n, i, o: PlainGroupedLinear(n, i, o, device=device, dtype=dtype),
     )
 
 
@@ -132,16 +162,49 @@ def te_named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {renamed.get(n, n): p for n, p in model.named_parameters(remove_duplicate=False)}
 
 
+class MoEMLP(nn.Module):
+    """A top-k routed mixture-of-experts MLP: ``norm`` (nn.LayerNorm), ``router`` (a linear map to
+    one logit per expert), then each token through its ``topk`` experts (``fc1``, ACTIVATION, ``fc2``:
+    ``layers.grouped_linear``), their outputs weighted by the softmax of the chosen logits."""
+
+    def __init__(self, hidden: int, ffn: int, experts: int, topk: int, layers: Layers) -> None:
+        super().__init__()
+        self.experts, self.topk = experts, topk
+        self.norm = nn.LayerNorm(hidden)
+        self.router = layers.linear(hidden, experts, bias=False)
+        self.fc1 = layers.grouped_linear(experts, hidden, ffn)
+        self.fc2 = layers.grouped_linear(experts, ffn, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.norm(x).reshape(-1, x.shape[-1])
+        logits, chosen = self.router(tokens).topk(self.topk, dim=-1)  # [tokens, k]
+        gates = logits.softmax(dim=-1)
+        # The (token, expert) pairs sorted by expert, so that each expert's rows are contiguous.
+        order = chosen.flatten().argsort(stable=True)
+        rows = tokens[order // self.topk]
+        # Rows per expert, counted on the device (bincount would read its maximum on the host).
+        m_splits = torch.zeros(self.experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, chosen.flatten(), torch.ones_like(chosen.flatten()))
+        out = self.fc2(F.gelu(self.fc1(rows, m_splits), approximate="tanh"), m_splits)
+        out = out[order.argsort()].view(-1, self.topk, x.shape[-1])  # back to (token, choice) order
+        return (out * gates.unsqueeze(-1)).sum(dim=1).view(x.shape)
+
+
 class Block(nn.Module):
     """Pre-norm causal self-attention and MLP, as a TE GPT's: ``qkv`` (the first norm and the QKV
-    projection), ``proj``, ``mlp`` (the second norm, fc1, the activation, fc2)."""
+    projection), ``proj``, ``mlp`` (the second norm, fc1, the activation, fc2; with ``experts``, a
+    ``MoEMLP`` whose experts have hidden size 4·dim / topk, so that a token costs what it does in
+    the dense MLP)."""
 
-    def __init__(self, dim: int, heads: int, layers: Layers) -> None:
+    def __init__(self, dim: int, heads: int, layers: Layers, experts: int = 0, topk: int = 2) -> None:
         super().__init__()
         self.heads = heads
         self.qkv = layers.layernorm_linear(dim, 3 * dim)
         self.proj = layers.linear(dim, dim)
-        self.mlp = layers.layernorm_mlp(dim, 4 * dim)
+        if experts:
+            self.mlp = MoEMLP(dim, max(1, 4 * dim // topk), experts, topk, layers)
+        else:
+            self.mlp = layers.layernorm_mlp(dim, 4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -163,14 +226,15 @@ class Head(nn.Module):
 
 
 def build_pieces(kit: Layers, *, vocab: int, dim: int, heads: int, layers: int, context: int, seed: int,
-                 device="cpu", dtype=torch.float32) -> list[nn.Module]:
+                 experts: int = 0, topk: int = 2, device="cpu", dtype=torch.float32) -> list[nn.Module]:
     """[Embedding, Block x layers, Head] with the same initial values for any ``kit`` and in any
     process (norms start at 1 and 0; the linear maps draw nn.Linear's initialisation in the same
     order); the output layer's weight starts equal to the token embedding's (tie it, or keep the
-    copies equal with splitgrad.pipelining.TiedParameter)."""
+    copies equal with splitgrad.pipelining.TiedParameter). ``experts`` > 0: MoE blocks, each token
+    routed to ``topk`` of them."""
     torch.manual_seed(seed)
     pieces = [Embedding(vocab, dim, context)]
-    pieces += [Block(dim, heads, kit) for _ in range(layers)]
+    pieces += [Block(dim, heads, kit, experts, topk) for _ in range(layers)]
     pieces.append(Head(dim, vocab, kit))
     with torch.no_grad():
         pieces[-1].out.weight.copy_(pieces[0].tokens.weight)

@@ -278,6 +278,88 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
   }
 }
 
+void check_registered_if_delayed(Who who, bool delay, core::LayerId layer) {
+  TORCH_CHECK_VALUE(!delay || WgradStore::instance().is_registered(layer), who(),
+                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
+                    "store (layer_id ",
+                    layer, " is not)");
+}
+
+void check_no_fused_double_backward(Who who, bool fused_gradient_wanted) {
+  TORCH_CHECK(!fused_gradient_wanted, who(),
+              ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
+              "(double backward): main_grad is not differentiable. Build the layer with "
+              "fuse_wgrad_accumulation=False for higher-order gradients.");
+}
+
+bool is_traced(const at::Tensor& t) {
+  return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
+         t.key_set().has(c10::DispatchKey::Python);
+}
+
+void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
+                         const at::Tensor& input, const at::Tensor& m_splits,
+                         const std::vector<WgradSinks>& sinks, const char* module) {
+  const bool grouped = m_splits.defined();
+  DeferredWgrad item;
+  item.layer = layer;
+  if (grouped) {
+    for (const auto& sink : sinks) {
+      item.groups.push_back({core::weak_ref(sink.weight), core::weak_ref(sink.bias),
+                             sink.weight_main_grad, sink.bias_main_grad});
+    }
+  } else {
+    TORCH_INTERNAL_ASSERT(sinks.size() == 1, "a linear application has one sink");
+    item.weight = core::weak_ref(sinks[0].weight);
+    item.bias = core::weak_ref(sinks[0].bias);
+    item.weight_main_grad = sinks[0].weight_main_grad;
+    item.bias_main_grad = sinks[0].bias_main_grad;
+  }
+  PassScope pass;
+  item.pass = pass.id();
+  auto& ledger = GradLedger::instance();
+  if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
+    for (const auto& target : item.targets()) ledger.note_autograd_contribution(target, pass.id());
+    if (grouped) {
+      accumulate_grouped_wgrad(grad_output, input, m_splits, sinks);
+    } else {
+      accumulate_wgrad(grad_output, input, sinks[0]);
+    }
+    return;
+  }
+  if (!WgradStore::instance().is_registered(layer)) {
+    // The layer was deleted between its forward and this backward. As for work pending when a
+    // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
+    // skip this pass), but the rest of the backward pass goes on.
+    TORCH_WARN(layer_label(layer),
+               " was deleted before its backward pass: its deferred weight "
+               "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
+    for (const auto& target : item.targets()) {
+      ledger.expect_deferred(target, pass.id());
+      ledger.deferred_dropped(target, pass.id());
+    }
+    return;
+  }
+  // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
+  // functional tensors, Python-dispatched subclasses) would hold placeholders, not data.
+  TORCH_CHECK(!is_traced(input) && !is_traced(grad_output) && !(grouped && is_traced(m_splits)),
+              layer_label(layer),
+              ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
+              "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. ",
+              module, " runs delayed layers outside compiled graphs; call the op eagerly.");
+  item.input = input;
+  item.grad_output = grad_output;
+  item.input_version = input._version();
+  item.grad_output_version = grad_output._version();
+  if (grouped) {
+    item.m_splits = m_splits;
+    item.m_splits_version = m_splits._version();
+  }
+  item.stream = current_stream_of(input);
+  for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
+  WgradStore::instance().push(std::move(item));
+}
+
 }  // namespace detail
 
 namespace {

@@ -9,6 +9,7 @@
 
 #include "core/grad_ledger.h"
 #include "core/wgrad_store.h"
+#include "ops/checks.h"
 
 namespace splitgrad::detail {
 
@@ -72,6 +73,27 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
 /// (tied experts): its contributions are added in group order.
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                               const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
+
+/// delay_wgrad_compute=True needs the layer registered with the deferred-wgrad store.
+void check_registered_if_delayed(Who who, bool delay, core::LayerId layer);
+
+/// A backward with create_graph=True (double backward) cannot fuse a gradient into main_grad,
+/// which is not differentiable: refused where `fused_gradient_wanted`.
+void check_no_fused_double_backward(Who who, bool fused_gradient_wanted);
+
+/// Whether `t` is a tracing placeholder (meta, fake or functional tensor) with no values to read
+/// or stash.
+bool is_traced(const at::Tensor& t);
+
+/// The end of a linear (`m_splits` undefined, one sink) or grouped (a sink per group) backward,
+/// for the gradients this pass writes to parameters (the sinks): without `delay`, added at once
+/// (accumulate_wgrad / accumulate_grouped_wgrad; the ledger counts them as this pass's own); with
+/// it, queued as one item of the store for backward_dw(), or, where the layer was deleted since its
+/// forward, dropped with a warning. `module` ("splitgrad.Linear") is named in the refusal to queue
+/// tracing placeholders.
+void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
+                         const at::Tensor& input, const at::Tensor& m_splits,
+                         const std::vector<WgradSinks>& sinks, const char* module);
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);

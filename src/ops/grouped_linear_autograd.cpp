@@ -28,12 +28,6 @@ std::string who_of(core::LayerId layer) {
   return layer > 0 ? layer_label(layer) : std::string("splitgrad::grouped_linear");
 }
 
-// Tracing placeholders (meta, fake and functional tensors) carry no values to read or stash.
-bool traced(const at::Tensor& t) {
-  return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
-         t.key_set().has(c10::DispatchKey::Python);
-}
-
 // Everything a call can get wrong, checked before anything runs or is queued. The splits' values
 // are checked here when they are on the CPU; on a device, by the back end that reads them.
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
@@ -43,7 +37,7 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
   auto who = [&] { return who_of(layer_id); };
   check_grouped_linear_args(who, input, m_splits, weights, biases, /*splits_on_cpu_only=*/false,
                             compute_dtype);
-  if (m_splits.device().is_cpu() && !traced(m_splits)) {
+  if (m_splits.device().is_cpu() && !is_traced(m_splits)) {
     split_sizes(who, m_splits, flatten_tokens(input).size(0));
   }
   const int64_t groups = static_cast<int64_t>(weights.size());
@@ -60,10 +54,7 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
       check_main_grad(who, c10::str("bias", i), bias_main_grad, biases[i]);
     }
   }
-  TORCH_CHECK_VALUE(!delay || core::WgradStore::instance().is_registered(layer_id), who(),
-                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
-                    "store (layer_id ",
-                    layer_id, " is not)");
+  check_registered_if_delayed(who, delay, layer_id);
 }
 
 // The parameters in the forward's compute dtype: autocast's (set by linear_autocast.cpp for this
@@ -151,12 +142,10 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       // backward(create_graph=True): differentiable ATen ops per group (the splits are read on
       // the host: this path is not the hot one).
       for (size_t i = 0; i < groups; ++i) {
-        TORCH_CHECK(!(weight_wanted[i] && entry(weight_main_grads, i).defined()) &&
-                        !(bias_wanted[i] && entry(bias_main_grads, i).defined()),
-                    who_of(layer),
-                    ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
-                    "(double backward): main_grad is not differentiable. Build the layer with "
-                    "fuse_wgrad_accumulation=False for higher-order gradients.");
+        check_no_fused_double_backward(
+            [&] { return who_of(layer); },
+            (weight_wanted[i] && entry(weight_main_grads, i).defined()) ||
+                (bias_wanted[i] && entry(bias_main_grads, i).defined()));
       }
       const at::Tensor dy = flatten_tokens(grad_output);
       const at::Tensor x = flatten_tokens(input);
@@ -212,50 +201,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       }
     }
     if (!any_sink) return grads;
-
-    PassScope pass;
-    auto& ledger = core::GradLedger::instance();
-    if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
-      for (const auto& sink : sinks) {
-        for (const auto& p : {sink.weight, sink.bias}) {
-          if (p.defined()) ledger.note_autograd_contribution(p, pass.id());
-        }
-      }
-      accumulate_grouped_wgrad(grad_output, input, m_splits, sinks);
-      return grads;
-    }
-    core::DeferredWgrad item;
-    item.layer = layer;
-    item.pass = pass.id();
-    for (const auto& sink : sinks) {
-      item.groups.push_back({core::weak_ref(sink.weight), core::weak_ref(sink.bias),
-                             sink.weight_main_grad, sink.bias_main_grad});
-    }
-    if (!core::WgradStore::instance().is_registered(layer)) {
-      // Deleted between its forward and this backward: discarded with a warning, as for Linear.
-      TORCH_WARN(layer_label(layer),
-                 " was deleted before its backward pass: its deferred weight "
-                 "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
-      for (const auto& target : item.targets()) {
-        ledger.expect_deferred(target, pass.id());
-        ledger.deferred_dropped(target, pass.id());
-      }
-      return grads;
-    }
-    TORCH_CHECK(!traced(input) && !traced(grad_output) && !traced(m_splits), layer_label(layer),
-                ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
-                "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. "
-                "splitgrad.GroupedLinear runs delayed layers outside compiled graphs; call the op "
-                "eagerly.");
-    item.input = input;
-    item.grad_output = grad_output;
-    item.m_splits = m_splits;
-    item.input_version = input._version();
-    item.grad_output_version = grad_output._version();
-    item.m_splits_version = m_splits._version();
-    item.stream = current_stream_of(input);
-    for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
-    core::WgradStore::instance().push(std::move(item));
+    accumulate_or_defer(layer, delay, grad_output, input, m_splits, sinks,
+                        "splitgrad.GroupedLinear");
     return grads;
   }
 };

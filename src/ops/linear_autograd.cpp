@@ -33,10 +33,7 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
                       ": got bias_main_grad but the layer has no bias");
     check_main_grad(who, "bias", *bias_main_grad, *bias);
   }
-  TORCH_CHECK_VALUE(!delay || core::WgradStore::instance().is_registered(layer_id), who(),
-                    ": delay_wgrad_compute=True needs a layer registered with the deferred-wgrad "
-                    "store (layer_id ",
-                    layer_id, " is not)");
+  check_registered_if_delayed(who, delay, layer_id);
 }
 
 // The forward's compute dtype: autocast's (set by linear_autocast.cpp for this call), else the
@@ -99,12 +96,10 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (at::GradMode::is_enabled()) {
       // backward(create_graph=True): the gradients must be differentiable themselves, so they
       // are computed now with ATen's differentiable ops (splitgrad's have no double backward).
-      TORCH_CHECK(!(weight_wanted && weight_main_grad.defined()) &&
-                      !(bias_wanted && bias_main_grad.defined()),
-                  layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"),
-                  ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
-                  "(double backward): main_grad is not differentiable. Build the layer with "
-                  "fuse_wgrad_accumulation=False for higher-order gradients.");
+      check_no_fused_double_backward(
+          [&] { return layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"); },
+          (weight_wanted && weight_main_grad.defined()) ||
+              (bias_wanted && bias_main_grad.defined()));
       const at::Tensor dy = flatten_tokens(grad_output);
       if (ctx->needs_input_grad(0))
         grads[0] = at::matmul(grad_output, in_compute_dtype(weight, compute_dtype));
@@ -138,58 +133,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       if (bias_wanted && !bias_sink) grads[2] = bias_grad;
     }
     if (!weight_sink && !bias_sink) return grads;
-    WgradSinks sinks{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
-                     weight_sink ? weight_main_grad : at::Tensor(),
-                     bias_sink ? bias_main_grad : at::Tensor()};
-
-    PassScope pass;
-    auto& ledger = core::GradLedger::instance();
-    if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
-      for (const auto& p : {sinks.weight, sinks.bias}) {
-        if (p.defined()) ledger.note_autograd_contribution(p, pass.id());
-      }
-      accumulate_wgrad(grad_output, input, sinks);
-      return grads;
-    }
-    if (!core::WgradStore::instance().is_registered(layer)) {
-      // The layer was deleted between its forward and this backward. As for work pending when a
-      // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
-      // skip this pass), but the rest of the backward pass goes on.
-      TORCH_WARN(layer_label(layer),
-                 " was deleted before its backward pass: its deferred weight "
-                 "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
-      for (const auto& target : {sinks.weight, sinks.bias}) {
-        if (!target.defined()) continue;
-        ledger.expect_deferred(target, pass.id());
-        ledger.deferred_dropped(target, pass.id());
-      }
-      return grads;
-    }
-    // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
-    // functional tensors, Python-dispatched subclasses) would hold placeholders, not data.
-    auto traced = [](const at::Tensor& t) {
-      return t.is_meta() || t.key_set().has(c10::DispatchKey::Functionalize) ||
-             t.key_set().has(c10::DispatchKey::Python);
-    };
-    TORCH_CHECK(
-        !traced(input) && !traced(grad_output), layer_label(layer),
-        ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
-        "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. "
-        "splitgrad.Linear runs delayed layers outside compiled graphs; call the op eagerly.");
-    core::DeferredWgrad item;
-    item.layer = layer;
-    item.pass = pass.id();
-    item.input = input;
-    item.grad_output = grad_output;
-    item.input_version = input._version();
-    item.grad_output_version = grad_output._version();
-    item.weight = core::weak_ref(sinks.weight);
-    item.bias = core::weak_ref(sinks.bias);
-    item.weight_main_grad = sinks.weight_main_grad;
-    item.bias_main_grad = sinks.bias_main_grad;
-    item.stream = current_stream_of(input);
-    for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
-    core::WgradStore::instance().push(std::move(item));
+    accumulate_or_defer(
+        layer, delay, grad_output, input, /*m_splits=*/at::Tensor(),
+        {{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
+          weight_sink ? weight_main_grad : at::Tensor(),
+          bias_sink ? bias_main_grad : at::Tensor()}},
+        "splitgrad.Linear");
     return grads;
   }
 };
