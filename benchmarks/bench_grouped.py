@@ -49,7 +49,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import BF16_PEAK_TFLOPS, device_description, print_table, tflops, time_side_by_side, write_results  # noqa: E402
+from common import (BF16_PEAK_TFLOPS, chosen_by_name, device_description, print_table, tflops,  # noqa: E402
+                    time_cpu, time_side_by_side, write_results)
 
 import splitgrad  # noqa: E402  (registers torch.ops.splitgrad)
 
@@ -178,20 +179,6 @@ def available(fns: dict[str, Callable[[], object]], skipped: dict[str, str]) -> 
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
             skipped[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     return kept
-
-
-def time_cpu(fns: dict[str, Callable[[], object]], warmup: int = 1, reps: int = 5) -> dict[str, float]:
-    """Median milliseconds of each fn() on the CPU (perf_counter), in interleaved rounds."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def timed(fns, device, min_ms) -> dict[str, float]:
@@ -496,12 +483,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is visible (use --device cpu --tiny for a smoke test)")
     shapes = TINY_SHAPES if args.tiny else SHAPES
-    if args.shapes:
-        known = {s.name: s for s in shapes}
-        unknown = [n for n in args.shapes.split(",") if n not in known]
-        if unknown:
-            parser.error(f"--shapes: unknown {unknown} (choose from {sorted(known)})")
-        shapes = [known[n] for n in args.shapes.split(",")]
+    shapes = chosen_by_name(parser, "--shapes", shapes, args.shapes)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     wanted = args.only or list(SECTIONS)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,8 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import device_description, peak_memory_bytes, print_table, time_side_by_side, write_results  # noqa: E402
+from common import (chosen_by_name, device_description, peak_memory_bytes, print_table, time_cpu,  # noqa: E402
+                    time_side_by_side, write_results)
 
 import splitgrad  # noqa: E402
 
@@ -214,20 +214,6 @@ def gradient_differences(variants: dict[str, Variant], x, dy) -> dict[str, float
             for name in variants}
 
 
-def time_cpu(fns: dict, warmup: int = 1, reps: int = 5) -> dict[str, float]:
-    """Median milliseconds of each fn() on the CPU (perf_counter), in interleaved rounds."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 def bench_case(case: Case, device: torch.device, dtype: torch.dtype, min_ms: float) -> dict:
     torch.manual_seed(0)
     variants = build_variants(case, device, dtype)
@@ -287,12 +273,7 @@ def main(argv=None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no GPU is visible (use --device cpu --tiny for a smoke test)")
     cases = TINY_CASES if args.tiny else CASES
-    if args.cases:
-        known = {c.name: c for c in cases}
-        unknown = [n for n in args.cases.split(",") if n not in known]
-        if unknown:
-            parser.error(f"--cases: unknown {unknown} (choose from {sorted(known)})")
-        cases = [known[n] for n in args.cases.split(",")]
+    cases = chosen_by_name(parser, "--cases", cases, args.cases)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     started = time.perf_counter()
     results = []

@@ -75,6 +75,32 @@ def time_side_by_side(fns: dict[str, Callable[[], object]], warmup: int = 3, min
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def time_cpu(fns: dict[str, Callable[[], object]], warmup: int = 1, reps: int = 5) -> dict[str, float]:
+    """Median milliseconds of each fn() on the CPU (perf_counter), in interleaved rounds."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def chosen_by_name(parser, flag: str, items: list, names: str | None) -> list:
+    """The items (each with a ``.name``) named in the comma-separated ``names`` (all when None); an
+    unknown name is a parser error naming ``flag`` and the known names."""
+    if not names:
+        return items
+    known = {item.name: item for item in items}
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown} (choose from {sorted(known)})")
+    return [known[n] for n in names.split(",")]
+
+
 def peak_memory_bytes(fn: Callable[[], object]) -> int:
     """Bytes allocated above the starting level at the peak of one fn() call."""
     torch.cuda.synchronize()
