@@ -10,9 +10,9 @@
 /// persistent kernel runs every group's tiles. Each output tile is computed by one block in a
 /// fixed order (no split-K, no atomics), so results are deterministic.
 ///
-/// Splits are checked on the device: a negative split or splits that do not sum to `rows` stop
-/// the kernel with a device-side assertion (as PyTorch's indexing kernels check indices), before
-/// any memory outside the tensors is touched.
+/// Splits are checked on the device (cuda/split_check.cuh): a negative split or splits that do
+/// not sum to `rows` stop the kernel with a device-side assertion (as PyTorch's indexing kernels
+/// check indices), before any memory outside the tensors is touched.
 
 #include <cuda_runtime.h>
 #include <library_types.h>
@@ -42,6 +42,9 @@ struct GroupedGemmArgs {
   const void* tokens_in = nullptr;   ///< wgrad: x
   const void* const* weights = nullptr;  ///< fprop, dgrad: device array of `groups` [out, in]
   void* out = nullptr;                   ///< fprop: y [rows, out]; dgrad: dx [rows, in]
+  /// fprop, dgrad: out += the product (beta = 1, the sum in fp32 and rounded once), e.g. out
+  /// holding each row's bias; otherwise out = the product.
+  bool add_to_out = false;
   void* const* targets = nullptr;  ///< wgrad: device array of `groups` [out, in]; nullptr skips g
   /// wgrad: the targets' type, CUDA_R_32F (fp32 main_grad) or CUDA_R_16BF. Two groups of one
   /// launch must not share a target (the caller splits tied targets over launches).

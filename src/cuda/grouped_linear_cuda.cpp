@@ -18,7 +18,7 @@
 #include "cuda/bias_grad.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/linear_cuda.h"
-#include "cuda/pointer_table.h"
+#include "cuda/group_tables.h"
 #include "ops/checks.h"
 
 namespace splitgrad::cuda_backend {
@@ -52,27 +52,50 @@ bool grouped_kernels_take(std::initializer_list<std::reference_wrapper<const at:
   return true;
 }
 
-// The splits as the grouped kernels read them: int64 on the device. A CPU tensor's values are
-// checked here and copied without waiting; a device tensor's are checked by the kernels.
-at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of) {
-  if (m_splits.device().is_cpu()) {
-    detail::split_sizes(who, m_splits, rows_of.size(0));
-    return m_splits.contiguous().to(rows_of.device(), /*non_blocking=*/true);
-  }
-  return m_splits.contiguous();
-}
-
-// A device array of pointers (nullptr where absent), written by a kernel that takes them by value
-// (cuda/pointer_table.h): no pinned buffer, so CUDA graphs capture it safely.
-at::Tensor device_pointers(const std::vector<const void*>& pointers, const at::Tensor& like) {
+// 8-byte host words (pointers, split values) as a device int64 tensor, written by a kernel that
+// takes them by value (cuda/group_tables.h): graph-capturable, and later host writes to the
+// words' source cannot reach the device copy.
+at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& like) {
   at::Tensor table =
-      at::empty({static_cast<int64_t>(pointers.size())}, like.options().dtype(at::kLong));
-  const cudaError_t status = cuda::write_pointer_table(
-      pointers.data(), static_cast<int64_t>(pointers.size()),
-      reinterpret_cast<const void**>(table.data_ptr()), at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(status == cudaSuccess, "splitgrad grouped GEMM: writing the pointer table failed (",
+      at::empty({static_cast<int64_t>(words.size())}, like.options().dtype(at::kLong));
+  const cudaError_t status =
+      cuda::write_table(words.data(), static_cast<int64_t>(words.size()),
+                        reinterpret_cast<uint64_t*>(table.data_ptr()),
+                        at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status == cudaSuccess, "splitgrad grouped GEMM: writing a group table failed (",
               cudaGetErrorString(status), ")");
   return table;
+}
+
+// A device array of pointers (nullptr where absent).
+at::Tensor device_pointers(const std::vector<const void*>& pointers, const at::Tensor& like) {
+  std::vector<uint64_t> words;
+  words.reserve(pointers.size());
+  for (const void* p : pointers) words.push_back(reinterpret_cast<uint64_t>(p));
+  return device_table(words, like);
+}
+
+// The splits as the grouped kernels read them: int64 on the device. A CPU tensor's values are
+// checked here and written by value; a device tensor's are checked on the device, here by
+// `check_now` (for work that launches no grouped GEMM, whose argument kernel checks them).
+at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of,
+                         bool check_now = false) {
+  if (m_splits.device().is_cpu()) {
+    const std::vector<int64_t> sizes = detail::split_sizes(who, m_splits, rows_of.size(0));
+    return device_table(std::vector<uint64_t>(sizes.begin(), sizes.end()), rows_of);
+  }
+  const at::Tensor splits = m_splits.contiguous();
+  TORCH_CHECK_VALUE(splits.numel() > 0 || rows_of.size(0) == 0, who(),
+                    ": expected m_splits to sum to the input's ", rows_of.size(0),
+                    " rows (tokens), got no splits");
+  if (check_now && splits.numel() > 0) {
+    const cudaError_t status =
+        cuda::check_splits(splits.data_ptr<int64_t>(), splits.numel(), rows_of.size(0),
+                           at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(status == cudaSuccess, who(), ": the splits' check failed to launch (",
+                cudaGetErrorString(status), ")");
+  }
+  return splits;
 }
 
 // Runs a grouped product on the current stream; false where the kernel does not take the
@@ -139,16 +162,26 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
               cudaGetErrorString(status), ")");
 }
 
-// The targets split into launches so that no launch has one target twice (tied experts): round r
-// holds each target's r-th group, the others nullptr; rounds run in order, so a tied target sums
-// its groups in group order, as the loop does.
-std::vector<std::vector<const void*>> rounds_of(const std::vector<const void*>& targets) {
+// The targets split into launches so that no launch writes a byte twice: a target goes one round
+// after the last earlier target it overlaps (the same target, tied experts, or an overlapping
+// view), the others nullptr there. Rounds run in order, so a tied target sums its groups in group
+// order, as the loop does.
+std::vector<std::vector<const void*>> rounds_of(const std::vector<const void*>& targets,
+                                                size_t bytes_each) {
   std::vector<std::vector<const void*>> rounds;
-  std::unordered_map<const void*, size_t> seen;
+  std::vector<size_t> round_of(targets.size(), 0);
   for (size_t g = 0; g < targets.size(); ++g) {
     if (targets[g] == nullptr) continue;
-    const size_t round = seen[targets[g]]++;
-    if (round == rounds.size()) rounds.emplace_back(targets.size(), nullptr);
+    const auto begin = reinterpret_cast<uintptr_t>(targets[g]);
+    size_t round = 0;
+    for (size_t e = 0; e < g; ++e) {  // experts are few: quadratic is cheap
+      const auto other = reinterpret_cast<uintptr_t>(targets[e]);
+      if (targets[e] != nullptr && begin < other + bytes_each && other < begin + bytes_each) {
+        round = std::max(round, round_of[e] + 1);
+      }
+    }
+    round_of[g] = round;
+    if (round >= rounds.size()) rounds.resize(round + 1, std::vector<const void*>(targets.size()));
     rounds[round][g] = targets[g];
   }
   return rounds;
@@ -165,10 +198,12 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
   const auto shaped = [&](const at::Tensor& y) {
     return input.dim() == 2 ? y : y.view(detail::with_last_dim(input.sizes(), out));
   };
-  if (grouped_kernels_take({x}, weights)) {
+  // An empty product (in_features 0) is the loop's: it writes the bias or zeros.
+  if (x.size(1) > 0 && out > 0 && grouped_kernels_take({x}, weights)) {
     at::Tensor y = at::empty({x.size(0), out}, input.options());
-    if (x.size(0) == 0 || out == 0) return shaped(y);
-    const at::Tensor splits = device_splits(who, m_splits, x);
+    const bool has_rows = x.size(0) > 0;
+    const at::Tensor splits = device_splits(who, m_splits, x, /*check_now=*/!has_rows || !biases.empty());
+    if (!has_rows) return shaped(y);
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     const at::Tensor pointers = device_pointers(weight_pointers, x);
@@ -176,11 +211,14 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     args.tokens = x.data_ptr();
     args.weights = reinterpret_cast<const void* const*>(pointers.data_ptr());
     args.out = y.data_ptr();
-    if (launch(who, args, x)) {
-      // TODO(grouped bias epilogue): the bias as a per-group epilogue operand instead of a pass.
-      if (!biases.empty()) y.add_(at::stack(biases).index_select(0, group_of_rows(splits, y.size(0))));
-      return shaped(y);
+    if (!biases.empty()) {
+      // y starts as each row's bias and the GEMM adds x·Wᵀ in its epilogue (beta = 1): the sum
+      // in fp32, rounded once, as cuBLASLt's bias epilogue does. The splits were checked above,
+      // before repeat_interleave reads them.
+      at::index_select_out(y, at::stack(biases), 0, group_of_rows(splits, y.size(0)));
+      args.add_to_out = true;
     }
+    if (launch(who, args, x)) return shaped(y);
   }
   const auto splits = host_splits(who, m_splits, x.size(0));
   if (!covers(input.scalar_type())) {
@@ -207,10 +245,11 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
   const auto shaped = [&](const at::Tensor& dx) {
     return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
   };
-  if (grouped_kernels_take({dy}, weights)) {
+  if (in > 0 && dy.size(1) > 0 && grouped_kernels_take({dy}, weights)) {
     at::Tensor dx = at::empty({dy.size(0), in}, grad_output.options());
-    if (dy.size(0) == 0 || in == 0) return shaped(dx);
-    const at::Tensor splits = device_splits(who, m_splits, dy);
+    const bool has_rows = dy.size(0) > 0;
+    const at::Tensor splits = device_splits(who, m_splits, dy, /*check_now=*/!has_rows);
+    if (!has_rows) return shaped(dx);
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     const at::Tensor pointers = device_pointers(weight_pointers, dy);
@@ -239,7 +278,16 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
                         const at::Tensor& splits, const std::vector<const void*>& targets,
                         cudaDataType_t target_type, const std::vector<const void*>& bias_targets,
                         cudaDataType_t bias_type) {
-  const auto weight_rounds = rounds_of(targets);
+  if (splits.numel() > 65535) return false;  // the bias kernel's grid has a block row per group
+  const size_t target_bytes = static_cast<size_t>(dy.size(1) * x.size(1)) *
+                              (target_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
+  const auto weight_rounds = rounds_of(targets, target_bytes);
+  if (weight_rounds.empty()) {  // no GEMM checks the splits: check them before the bias sums
+    const cudaError_t status = cuda::check_splits(splits.data_ptr<int64_t>(), splits.numel(),
+                                                  dy.size(0), at::cuda::getCurrentCUDAStream());
+    TORCH_CHECK(status == cudaSuccess, who(), ": the splits' check failed to launch (",
+                cudaGetErrorString(status), ")");
+  }
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
     const at::Tensor pointers = device_pointers(weight_rounds[r], dy);
     auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, splits, dy.size(0),
@@ -269,7 +317,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   const at::Tensor dy = detail::flatten_tokens(grad_output);
   const at::Tensor x = detail::flatten_tokens(input);
   const int64_t groups = m_splits.numel(), out = dy.size(1), in = x.size(1);
-  if (grouped_kernels_take({dy, x}) && dy.size(0) > 0 && out > 0 && in > 0) {
+  if (grouped_kernels_take({dy, x}) && dy.size(0) > 0 && out > 0 && in > 0 && groups > 0) {
     // Fresh gradients: zeros, then the grouped kernel adds each group's sum (a group without rows
     // keeps its zeros, as nn.Linear's backward gives it).
     const at::Tensor splits = device_splits(who, m_splits, dy);
@@ -305,7 +353,8 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
 }
 
 // The targets of a grouped accumulation as the grouped kernels want them, or nullopt: weight
-// targets all fp32 or all bf16, bias targets likewise, each contiguous and 16-byte aligned.
+// targets all fp32 or all bf16, contiguous and 16-byte aligned (TMA); bias targets all fp32 or all
+// bf16, contiguous (the bias kernel writes them element by element).
 struct GroupedTargets {
   std::vector<const void*> weights, biases;
   cudaDataType_t weight_type = CUDA_R_32F, bias_type = CUDA_R_32F;
@@ -313,8 +362,8 @@ struct GroupedTargets {
 std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
                                               const OptTensorList& bias_grads, int64_t groups) {
   // The pointers of one list's present entries, and their one dtype; false where they don't fit.
-  const auto collect = [groups](const OptTensorList& list, std::vector<const void*>& pointers,
-                                cudaDataType_t& type) {
+  const auto collect = [groups](const OptTensorList& list, bool aligned,
+                                std::vector<const void*>& pointers, cudaDataType_t& type) {
     std::optional<at::ScalarType> dtype;
     for (int64_t g = 0; g < groups && !list.empty(); ++g) {
       const std::optional<at::Tensor> t = list.get(g);
@@ -323,7 +372,8 @@ std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
         continue;
       }
       const at::ScalarType d = t->scalar_type();
-      if (!t->is_contiguous() || !aligned16(*t) || (d != at::kFloat && d != at::kBFloat16) ||
+      if (!t->is_contiguous() || (aligned && !aligned16(*t)) ||
+          (d != at::kFloat && d != at::kBFloat16) ||
           (dtype.has_value() && *dtype != d)) {
         return false;
       }
@@ -334,8 +384,8 @@ std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
     return true;
   };
   GroupedTargets targets;
-  if (!collect(weight_grads, targets.weights, targets.weight_type) ||
-      !collect(bias_grads, targets.biases, targets.bias_type)) {
+  if (!collect(weight_grads, /*aligned=*/true, targets.weights, targets.weight_type) ||
+      !collect(bias_grads, /*aligned=*/false, targets.biases, targets.bias_type)) {
     return std::nullopt;
   }
   return targets;
@@ -351,7 +401,10 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
   const at::Tensor dy = detail::flatten_tokens(grad_output);
   const at::Tensor x = detail::flatten_tokens(input);
   if (grouped_kernels_take({dy, x})) {
-    if (dy.size(0) == 0 || dy.size(1) == 0 || x.size(1) == 0) return;  // adds zero
+    if (dy.size(0) == 0 || dy.size(1) == 0 || x.size(1) == 0) {  // adds zero; splits checked
+      device_splits(who, m_splits, dy, /*check_now=*/true);
+      return;
+    }
     const auto targets = grouped_targets(weight_grads, bias_grads, m_splits.numel());
     if (targets.has_value() &&
         accumulate_grouped(who, dy, x, device_splits(who, m_splits, dy), targets->weights,

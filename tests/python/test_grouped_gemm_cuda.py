@@ -222,17 +222,26 @@ def test_ops_wgrad_accumulate_into_bf16_targets():
             torch.testing.assert_close(t, s, rtol=0, atol=0)
 
 
+BAD_SPLIT_CALLS = {
+    "forward": "splitgrad.GroupedLinear(3, 64, 64, params_dtype=torch.bfloat16, device='cuda')(x, splits)",
+    "forward-no-bias": "splitgrad.GroupedLinear(3, 64, 64, bias=False, params_dtype=torch.bfloat16, device='cuda')(x, splits)",
+    "bias-grads-only": "torch.ops.splitgrad.grouped_linear_wgrad_accumulate_(x, x, splits, [], [torch.zeros(64, device='cuda')] * 3)",
+}
+
+
+@pytest.mark.parametrize("call", list(BAD_SPLIT_CALLS))
 @pytest.mark.parametrize("bad", ["negative", "short-sum"])
-def test_bad_device_splits_stop_the_kernel(bad):
-    """Device splits cannot be checked on the host without a synchronisation: the kernel checks
-    them and stops with a device-side assertion that names the problem (in a child process: the
-    assertion ends the CUDA context)."""
+def test_bad_device_splits_stop_the_kernel(bad, call):
+    """Device splits cannot be checked on the host without a synchronisation: the kernels check
+    them (a grouped GEMM's argument kernel, or a check of their own where no GEMM runs) and stop
+    with a device-side assertion that names the problem (in a child process: the assertion ends
+    the CUDA context)."""
     splits = "[5, -2, 13]" if bad == "negative" else "[5, 2, 3]"
     script = textwrap.dedent(f"""
         import torch, splitgrad
-        layer = splitgrad.GroupedLinear(3, 64, 64, params_dtype=torch.bfloat16, device="cuda")
         x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
-        layer(x, torch.tensor({splits}, device="cuda"))
+        splits = torch.tensor({splits}, device="cuda")
+        {BAD_SPLIT_CALLS[call]}
         torch.cuda.synchronize()
         print("NO ERROR")
     """)
@@ -244,12 +253,14 @@ def test_bad_device_splits_stop_the_kernel(bad):
     assert expected in output, output
 
 
+@pytest.mark.parametrize("splits_as", ["cuda", "list"])
 @pytest.mark.parametrize("fused", [True, False], ids=["main_grad", "grad"])
-def test_captured_step_replays_bit_identical_to_eager_steps(fused):
-    """A training step of a GroupedLinear with device splits (forward, backward, backward_dw; a tied
-    expert) captured once in a CUDA graph replays what the eager steps give, bit for bit: the
-    experts' pointer tables are kernel parameters, captured by value."""
-    splits = torch.tensor(SPLITS["imbalanced-with-zeros"], device="cuda")
+def test_captured_step_replays_bit_identical_to_eager_steps(fused, splits_as):
+    """A training step of a GroupedLinear (forward, backward, backward_dw; a tied expert) captured
+    once in a CUDA graph replays what the eager steps give, bit for bit: the experts' pointer
+    tables and host splits' values are kernel parameters, captured by value."""
+    splits = SPLITS["imbalanced-with-zeros"]
+    splits = torch.tensor(splits, device="cuda") if splits_as == "cuda" else splits
     generator = torch.Generator(device="cuda").manual_seed(5)
     inputs = [torch.randn(sum(SPLITS["imbalanced-with-zeros"]), IN, device="cuda", dtype=torch.bfloat16,
                           generator=generator) for _ in range(3)]
@@ -297,3 +308,52 @@ def test_captured_step_replays_bit_identical_to_eager_steps(fused):
         for got, exp in zip(gradients(graphed), want):
             assert torch.equal(got, exp)
     assert len({float(g.abs().sum()) for g in expected[-1]}) > 1
+
+
+def test_host_splits_changed_after_the_call_do_not_reach_the_kernel():
+    """Pinned host splits are taken by value at the call: refilling the buffer at once (as a router
+    does for the next micro-batch) changes nothing already launched."""
+    splits = SPLITS["imbalanced-with-zeros"]
+    pinned = torch.tensor(splits).pin_memory()
+    layer = _layer(bias=True)
+    x, _ = _data(splits)
+    torch.cuda._sleep(50_000_000)  # the launches below wait behind this on the stream
+    y = layer(x, pinned)
+    pinned.copy_(torch.tensor(list(reversed(splits))))
+    torch.cuda.synchronize()
+    torch.testing.assert_close(y, to_reference(layer)(x, splits), rtol=0.02, atol=0.02)
+
+
+def test_empty_inner_dimension_gives_the_bias_or_zeros():
+    """in_features == 0 (fprop) or out_features == 0 (dgrad): an empty sum, as F.linear gives it."""
+    splits = torch.tensor([8, 0, 8], device="cuda")
+    x = torch.randn(16, 0, device="cuda", dtype=torch.bfloat16)
+    weights = [torch.empty(64, 0, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    biases = [torch.randn(64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    y = ops.grouped_linear_fprop(x, splits, weights, biases)
+    torch.testing.assert_close(y, torch.cat([biases[0].expand(8, 64), biases[2].expand(8, 64)]), rtol=0, atol=0)
+    torch.testing.assert_close(ops.grouped_linear_fprop(x, splits, weights, []), torch.zeros(16, 64, device="cuda",
+                               dtype=torch.bfloat16), rtol=0, atol=0)
+    dy = torch.randn(16, 0, device="cuda", dtype=torch.bfloat16)
+    weights_t = [torch.empty(0, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    torch.testing.assert_close(ops.grouped_linear_dgrad(dy, splits, weights_t),
+                               torch.zeros(16, 64, device="cuda", dtype=torch.bfloat16), rtol=0, atol=0)
+
+
+def test_overlapping_targets_add_as_in_sequence():
+    """Two experts' main_grads that are overlapping views of one buffer (not the same tensor): the
+    launches are split so no two blocks update one word at once; the result is the sequential sums."""
+    splits = [40, 24, 0, 64]
+    x, gy = _data(splits)
+    buffer = torch.zeros(4 * OUT * IN + 8, device="cuda")
+    targets = [buffer[0:OUT * IN].view(OUT, IN), buffer[8:8 + OUT * IN].view(OUT, IN),
+               buffer[2 * OUT * IN:3 * OUT * IN].view(OUT, IN), buffer[3 * OUT * IN:4 * OUT * IN].view(OUT, IN)]
+    ops.grouped_linear_wgrad_accumulate_(gy, x, torch.tensor(splits, device="cuda"), targets, [])
+    expected = torch.zeros(4 * OUT * IN + 8, device="cuda", dtype=torch.float64)
+    views = [expected[0:OUT * IN].view(OUT, IN), expected[8:8 + OUT * IN].view(OUT, IN),
+             expected[2 * OUT * IN:3 * OUT * IN].view(OUT, IN), expected[3 * OUT * IN:4 * OUT * IN].view(OUT, IN)]
+    offset = 0
+    for view, rows in zip(views, splits):
+        view += gy[offset:offset + rows].double().t() @ x[offset:offset + rows].double()
+        offset += rows
+    torch.testing.assert_close(buffer.double(), expected, rtol=1e-5, atol=1e-4)

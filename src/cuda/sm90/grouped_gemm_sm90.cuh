@@ -18,9 +18,8 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
-#include <cstdio>
-
 #include "cuda/grouped_gemm.h"
+#include "cuda/split_check.cuh"
 
 namespace splitgrad::cuda::sm90 {
 
@@ -109,34 +108,13 @@ struct GroupArrays {
   Problem* problems;
 };
 
-// One block; thread g fills group g. The splits are checked here, before the GEMM reads a row: a
-// negative split or a total other than `rows` stops with a device-side assertion.
+// One block; thread g fills group g. The splits are checked first (cuda/split_check.cuh), before
+// the GEMM reads a row.
 template <class K, GroupedProduct kProduct>
 __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
   using ElementD = typename K::Gemm::ElementD;
-  __shared__ int bad;
-  if (threadIdx.x == 0) {
-    int64_t total = 0;
-    bad = 0;
-    for (int64_t g = 0; g < args.groups; ++g) {
-      const int64_t split = args.splits[g];
-      if (split < 0) {
-        printf("splitgrad grouped GEMM: m_splits[%lld] = %lld is negative\n",
-               static_cast<long long>(g), static_cast<long long>(split));
-        bad = 1;
-      }
-      total += split;
-    }
-    if (total != args.rows) {
-      printf("splitgrad grouped GEMM: m_splits sum to %lld, expected the input's %lld rows\n",
-             static_cast<long long>(total), static_cast<long long>(args.rows));
-      bad = 1;
-    }
-    if (bad) __assert_fail("m_splits are non-negative and sum to the rows", __FILE__, __LINE__,
-                           "splitgrad::cuda::sm90::fill_group_arrays");
-  }
+  if (threadIdx.x == 0) check_splits_or_stop(args.splits, args.groups, args.rows);
   __syncthreads();
-  if (bad) return;
   const auto* tokens = static_cast<const Bf16*>(args.tokens);
   const int64_t in = args.in_features, out_features = args.out_features;
   for (int64_t g = threadIdx.x; g < args.groups; g += blockDim.x) {
@@ -215,7 +193,7 @@ template <class K, GroupedProduct kProduct>
 cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
   if (args.groups <= 0) return cudaSuccess;
   const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
-  const float beta = kProduct == GroupedProduct::wgrad_accumulate ? 1.0f : 0.0f;
+  const float beta = kProduct == GroupedProduct::wgrad_accumulate || args.add_to_out ? 1.0f : 0.0f;
   const size_t kernel_bytes =
       K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
   const WorkspaceLayout w = WorkspaceLayout::of<K>(args.groups, kernel_bytes);
