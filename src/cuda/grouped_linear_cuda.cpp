@@ -11,14 +11,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
-#include <unordered_map>
+#include <cstdint>
 
 #include "aten/linear_aten.h"
 #include "cuda/bias_grad.h"
+#include "cuda/group_tables.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/linear_cuda.h"
-#include "cuda/group_tables.h"
 #include "ops/checks.h"
 
 namespace splitgrad::cuda_backend {
