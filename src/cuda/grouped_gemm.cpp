@@ -40,7 +40,8 @@ Kernel kernel_for(const GroupedGemmArgs& args) {
     case GroupedProduct::dgrad:
       return {&sm90::dgrad, &sm90::dgrad_workspace_bytes};
     case GroupedProduct::wgrad_accumulate:
-      if (args.target_type == CUDA_R_16BF) return {&sm90::wgrad_bf16, &sm90::wgrad_bf16_workspace_bytes};
+      if (args.target_type == CUDA_R_16BF)
+        return {&sm90::wgrad_bf16, &sm90::wgrad_bf16_workspace_bytes};
       if (args.target_type != CUDA_R_32F) return {};
       if (cooperative_fp32_wgrad(args)) {
         return {&sm90::wgrad_fp32_cooperative, &sm90::wgrad_fp32_cooperative_workspace_bytes};
@@ -77,12 +78,12 @@ cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
 #ifdef SPLITGRAD_SM90_GROUPED_GEMM
   const Kernel kernel = kernel_for(args);
   // TMA: 16-byte aligned rows and bases; the problem sizes are 32-bit in the kernel.
-  const bool takes = kernel.run != nullptr && args.in_features % 8 == 0 &&
-                     args.out_features % 8 == 0 && args.rows < (int64_t{1} << 31) &&
-                     args.in_features < (int64_t{1} << 31) &&
-                     args.out_features < (int64_t{1} << 31) && aligned16(args.tokens) &&
-                     aligned16(args.tokens_in) && aligned16(args.out) &&
-                     reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0 && args.groups < (int64_t{1} << 31);
+  const bool takes =
+      kernel.run != nullptr && args.in_features % 8 == 0 && args.out_features % 8 == 0 &&
+      args.rows < (int64_t{1} << 31) && args.in_features < (int64_t{1} << 31) &&
+      args.out_features < (int64_t{1} << 31) && aligned16(args.tokens) &&
+      aligned16(args.tokens_in) && aligned16(args.out) &&
+      reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0 && args.groups < (int64_t{1} << 31);
   if (!takes) return cudaErrorNotSupported;
   return kernel.run(args, stream);
 #else

@@ -57,10 +57,9 @@ bool grouped_kernels_take(std::initializer_list<std::reference_wrapper<const at:
 at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& like) {
   at::Tensor table =
       at::empty({static_cast<int64_t>(words.size())}, like.options().dtype(at::kLong));
-  const cudaError_t status =
-      cuda::write_table(words.data(), static_cast<int64_t>(words.size()),
-                        reinterpret_cast<uint64_t*>(table.data_ptr()),
-                        at::cuda::getCurrentCUDAStream());
+  const cudaError_t status = cuda::write_table(words.data(), static_cast<int64_t>(words.size()),
+                                               reinterpret_cast<uint64_t*>(table.data_ptr()),
+                                               at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status == cudaSuccess, "splitgrad grouped GEMM: writing a group table failed (",
               cudaGetErrorString(status), ")");
   return table;
@@ -151,10 +150,10 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
   args.target_type = target_type;
   args.accumulate = true;
   args.multiprocessors = at::cuda::getDeviceProperties(dy.device().index())->multiProcessorCount;
-  const at::Tensor workspace = at::empty(
-      {static_cast<int64_t>(cuda::grouped_bias_grad_workspace_bytes(args.rows, args.cols, args.groups,
-                                                                    args.multiprocessors))},
-      dy.options().dtype(at::kByte));
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(cuda::grouped_bias_grad_workspace_bytes(
+                    args.rows, args.cols, args.groups, args.multiprocessors))},
+                dy.options().dtype(at::kByte));
   args.workspace = workspace.data_ptr();
   const cudaError_t status = cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status == cudaSuccess, who(), ": the grouped bias gradient kernel failed (",
@@ -201,7 +200,8 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
   if (x.size(1) > 0 && out > 0 && grouped_kernels_take({x}, weights)) {
     at::Tensor y = at::empty({x.size(0), out}, input.options());
     const bool has_rows = x.size(0) > 0;
-    const at::Tensor splits = device_splits(who, m_splits, x, /*check_now=*/!has_rows || !biases.empty());
+    const at::Tensor splits =
+        device_splits(who, m_splits, x, /*check_now=*/!has_rows || !biases.empty());
     if (!has_rows) return shaped(y);
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
@@ -289,8 +289,8 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   }
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
     const at::Tensor pointers = device_pointers(weight_rounds[r], dy);
-    auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, splits, dy.size(0),
-                             x.size(1), dy.size(1));
+    auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, splits, dy.size(0), x.size(1),
+                             dy.size(1));
     args.tokens = dy.data_ptr();
     args.tokens_in = x.data_ptr();
     args.targets = reinterpret_cast<void* const*>(pointers.data_ptr());
@@ -301,7 +301,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
     }
   }
   const bool any_bias = std::any_of(bias_targets.begin(), bias_targets.end(),
-                                   [](const void* target) { return target != nullptr; });
+                                    [](const void* target) { return target != nullptr; });
   if (any_bias) add_group_bias_grads(who, dy, splits, bias_targets, bias_type);
   return true;
 }
@@ -372,8 +372,7 @@ std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
       }
       const at::ScalarType d = t->scalar_type();
       if (!t->is_contiguous() || (aligned && !aligned16(*t)) ||
-          (d != at::kFloat && d != at::kBFloat16) ||
-          (dtype.has_value() && *dtype != d)) {
+          (d != at::kFloat && d != at::kBFloat16) || (dtype.has_value() && *dtype != d)) {
         return false;
       }
       dtype = d;
