@@ -2,7 +2,7 @@
 # On the GPU machine (no network): build splitgrad from the source tree with its own CMake, against
 # the machine's PyTorch, into a private site folder; then run what is asked. Wheels for test-only
 # packages the machine may lack can be carried in .whl/ (see BENCHMARKS.md).
-#   bash scripts/gpu_run.sh build
+#   bash scripts/gpu_run.sh build                  (SPLITGRAD_CMAKE_ARGS: more -D options)
 #   bash scripts/gpu_run.sh pytest [pytest args...]
 #   bash scripts/gpu_run.sh python FILE [args...]
 #   bash scripts/gpu_run.sh run PROGRAM [args...]     (a C++ program of build/gpu, e.g. bench_host_overhead)
@@ -29,7 +29,7 @@ case "${1:-build}" in
       rm -rf build/gpu/CMakeCache.txt build/gpu/CMakeFiles
     fi
     cmake -S . -B build/gpu -G Ninja "${compiler[@]}" -DSPLITGRAD_BUILD_PYTHON=ON -DSPLITGRAD_BUILD_BENCHMARKS=ON -DCMAKE_BUILD_TYPE=Release \
-      -DPython3_EXECUTABLE="$(command -v python3)" > build-gpu.log 2>&1 || { cat build-gpu.log; exit 1; }
+      -DPython3_EXECUTABLE="$(command -v python3)" ${SPLITGRAD_CMAKE_ARGS:-} > build-gpu.log 2>&1 || { cat build-gpu.log; exit 1; }
     cmake --build build/gpu -j "$(nproc)" >> build-gpu.log 2>&1 || { tail -50 build-gpu.log; exit 1; }
     if ! readelf -d build/gpu/libsplitgrad.so | grep -q 'libstdc++' ||
        nm -D --defined-only build/gpu/libsplitgrad.so | grep -q ' __cxa_throw$'; then

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #ifdef SPLITGRAD_SM90_GROUPED_GEMM
 #include "cuda/sm90/grouped_gemm_sm90.h"
@@ -33,7 +34,30 @@ bool cooperative_fp32_wgrad(const GroupedGemmArgs& args) {
   return args.rows >= 2048 * args.groups;
 }
 
+#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+std::vector<sm90::TuningVariant>& tuning_variants() {
+  static std::vector<sm90::TuningVariant> variants;
+  return variants;
+}
+
+// SPLITGRAD_GROUPED_GEMM_VARIANT=<name>: that variant where it computes this product.
+const sm90::TuningVariant* forced_variant(const GroupedGemmArgs& args) {
+  const char* name = std::getenv("SPLITGRAD_GROUPED_GEMM_VARIANT");
+  if (name == nullptr) return nullptr;
+  for (const auto& variant : tuning_variants()) {
+    if (std::strcmp(variant.name, name) == 0 && variant.product == args.product &&
+        variant.fp32_targets == (args.target_type == CUDA_R_32F)) {
+      return &variant;
+    }
+  }
+  return nullptr;
+}
+#endif
+
 Kernel kernel_for(const GroupedGemmArgs& args) {
+#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+  if (const auto* variant = forced_variant(args)) return {variant->run, variant->workspace_bytes};
+#endif
   switch (args.product) {
     case GroupedProduct::fprop:
       return {&sm90::fprop, &sm90::fprop_workspace_bytes};
@@ -53,6 +77,12 @@ Kernel kernel_for(const GroupedGemmArgs& args) {
 #endif
 
 }  // namespace
+
+#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+void sm90::register_tuning_variant(const sm90::TuningVariant& variant) {
+  tuning_variants().push_back(variant);
+}
+#endif
 
 bool grouped_gemm_runs_on(int major, int minor) {
 #ifdef SPLITGRAD_SM90_GROUPED_GEMM
@@ -85,6 +115,13 @@ cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
       aligned16(args.tokens_in) && aligned16(args.out) &&
       reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0 && args.groups < (int64_t{1} << 31);
   if (!takes) return cudaErrorNotSupported;
+#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+  // A forced variant that cannot run must not be timed as the fallback loop: an error instead.
+  if (forced_variant(args) != nullptr) {
+    const cudaError_t status = kernel.run(args, stream);
+    return status == cudaErrorNotSupported ? cudaErrorInvalidConfiguration : status;
+  }
+#endif
   return kernel.run(args, stream);
 #else
   (void)args;

@@ -10,6 +10,7 @@
 //   wgrad  M = out, N = in, K = r:  A = dy[o_g:]ᵀ (M-major),    B = x[o_g:] (N-major),
 //          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue.
 #include <cute/tensor.hpp>
+#include <cstdlib>
 #include <cutlass/cutlass.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
@@ -164,6 +165,16 @@ typename K::Gemm::Arguments kernel_arguments(const GroupedGemmArgs& args, GroupA
   arguments.epilogue.thread.alpha = 1.0f;
   arguments.epilogue.thread.beta = beta;
   arguments.hw_info.sm_count = args.multiprocessors;
+#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+  // Tuning builds: the persistent scheduler's raster order (m|n) and swizzle (1, 2, 4, 8).
+  using Raster = decltype(arguments.scheduler.raster_order);
+  if (const char* raster = std::getenv("SPLITGRAD_GROUPED_GEMM_RASTER")) {
+    arguments.scheduler.raster_order = raster[0] == 'n' ? Raster::AlongN : Raster::AlongM;
+  }
+  if (const char* swizzle = std::getenv("SPLITGRAD_GROUPED_GEMM_SWIZZLE")) {
+    arguments.scheduler.max_swizzle_size = std::atoi(swizzle);
+  }
+#endif
   return arguments;
 }
 

@@ -28,4 +28,17 @@ cudaError_t wgrad_fp32_cooperative(const GroupedGemmArgs& args, cudaStream_t str
 size_t wgrad_bf16_workspace_bytes(const GroupedGemmArgs& args);
 cudaError_t wgrad_bf16(const GroupedGemmArgs& args, cudaStream_t stream);
 
+#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+/// Tuning builds: more kernels per product (grouped_gemm_variant.cuh), which
+/// SPLITGRAD_GROUPED_GEMM_VARIANT=<name> selects for benchmarks/tune_grouped.py.
+struct TuningVariant {
+  const char* name;
+  GroupedProduct product;
+  bool fp32_targets;  ///< wgrad: into fp32 targets
+  cudaError_t (*run)(const GroupedGemmArgs&, cudaStream_t);
+  size_t (*workspace_bytes)(const GroupedGemmArgs&);
+};
+void register_tuning_variant(const TuningVariant& variant);
+#endif
+
 }  // namespace splitgrad::cuda::sm90

@@ -1,0 +1,184 @@
+"""Tile, cluster, schedule and tile-order variants of splitgrad's SM90 grouped GEMMs, side by side
+with the shipped kernels and PyTorch's contenders on bench_grouped.py's shapes: what picks the
+kernels in src/cuda/grouped_gemm.cpp.
+
+Needs a tuning build, which also compiles the variants listed in src/cuda/sm90/CMakeLists.txt:
+
+    SPLITGRAD_CMAKE_ARGS=-DSPLITGRAD_GROUPED_GEMM_TUNING=ON bash scripts/gpu_run.sh build
+    bash scripts/gpu_run.sh python benchmarks/tune_grouped.py --out out
+
+Pass 1 times, per shape and product (fprop, dgrad, wgrad into fp32 main_grad), the shipped kernel
+("default"), every variant (SPLITGRAD_GROUPED_GEMM_VARIANT=<name>) and PyTorch's contenders. Pass 2
+times the pass-1 winner under each raster order and swizzle of CUTLASS's persistent scheduler
+(SPLITGRAD_GROUPED_GEMM_RASTER=m|n, SPLITGRAD_GROUPED_GEMM_SWIZZLE=1|2|4|8). A variant that cannot
+run raises (a tuning build never times the fallback loop in its place) and is reported as skipped.
+Every result is checked against an fp32 reference before timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_grouped import (OPS, SHAPES, Data, addmm_into, available, grouped_mm,  # noqa: E402
+                           imbalanced_splits, markdown_table, relative_error)
+from common import chosen_by_name, device_description, time_side_by_side, write_results  # noqa: E402
+
+# Mirrors src/cuda/sm90/CMakeLists.txt's tuning variants, by product.
+VARIANTS = {
+    "fprop": ["f_coop_256x128x64_c2x1", "f_coop_128x256x64_c1x2", "f_coop_128x256x64_c1x1",
+              "f_pp_128x128x64_c2x1"],
+    "dgrad": ["d_coop_256x128x64_c2x1", "d_coop_128x256x64_c1x1", "d_pp_128x128x64_c2x1"],
+    "wgrad": ["w_pp_128x128x64_c1x1", "w_pp_128x128x64_c1x2", "w_pp_64x256x64_c1x1",
+              "w_coop_256x128x64_c2x1"],
+}
+ORDERS = [(raster, swizzle) for raster in ("m", "n") for swizzle in (1, 2, 4, 8)]
+ENV_KEYS = ("SPLITGRAD_GROUPED_GEMM_VARIANT", "SPLITGRAD_GROUPED_GEMM_RASTER", "SPLITGRAD_GROUPED_GEMM_SWIZZLE",
+            "SPLITGRAD_GROUPED_WGRAD_SCHEDULE")
+
+
+def under_env(fn: Callable[[], object], env: dict[str, str]) -> Callable[[], object]:
+    """fn() with these environment variables set (and every other tuning variable unset)."""
+
+    def call():
+        saved = {key: os.environ.pop(key, None) for key in ENV_KEYS}
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for key in ENV_KEYS:
+                os.environ.pop(key, None)
+                if saved[key] is not None:
+                    os.environ[key] = saved[key]
+
+    return call
+
+
+def products(d: Data) -> dict[str, tuple[dict[str, Callable[[], object]], Callable[[], object], Callable]]:
+    """product -> (PyTorch's contenders, splitgrad's call, the reference and how to read a result)."""
+
+    def fprop_loop():
+        for x, w, y in zip(d.xs, d.ws, d.ys):
+            torch.mm(x, w.t(), out=y)
+        return d.y
+
+    def dgrad_loop():
+        for dy, w, dx in zip(d.dys, d.ws, d.dxs):
+            torch.mm(dy, w, out=dx)
+        return d.dx
+
+    def addmm_loop():
+        for target, dy, x in zip(d.main_grads, d.dys, d.xs):
+            addmm_into(target, dy.t(), x)
+        return d.main_grad
+
+    def wgrad():
+        OPS.grouped_linear_wgrad_accumulate_(d.dy, d.x, d.splits_device, d.main_grads, [])
+        return d.main_grad
+
+    return {
+        "fprop": ({"loop": fprop_loop, "grouped_mm": lambda: grouped_mm(d.x, d.w.transpose(-2, -1), d.offs)},
+                  lambda: OPS.grouped_linear_fprop(d.x, d.splits_device, d.ws, []),
+                  lambda: torch.cat([x.float() @ w.float().t() for x, w in zip(d.xs, d.ws)])),
+        "dgrad": ({"loop": dgrad_loop, "grouped_mm": lambda: grouped_mm(d.dy, d.w, d.offs)},
+                  lambda: OPS.grouped_linear_dgrad(d.dy, d.splits_device, d.ws),
+                  lambda: torch.cat([dy.float() @ w.float() for dy, w in zip(d.dys, d.ws)])),
+        "wgrad": ({"addmm loop": addmm_loop, "gmm floor": lambda: grouped_mm(d.dy.t(), d.x, d.offs)},
+                  wgrad,
+                  lambda: torch.stack([dy.float().t() @ x.float() for dy, x in zip(d.dys, d.xs)])),
+    }
+
+
+def checked(name: str, fn, d: Data, want: torch.Tensor, product: str, errors: dict) -> None:
+    d.zero_()
+    out = fn()
+    if product == "wgrad" and name.startswith("gmm"):
+        return
+    errors[name] = relative_error(out, want)
+    if errors[name] > 2e-2:
+        raise RuntimeError(f"{name}: max relative error {errors[name]:.2e} against fp32")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
+    parser.add_argument("--products", default="fprop,dgrad,wgrad")
+    parser.add_argument("--min-ms", type=float, default=40.0, help="device time per contender, at least")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (Hopper) and a tuning build")
+    shapes = chosen_by_name(parser, "--shapes", SHAPES, args.shapes)
+    wanted = args.products.split(",")
+    device, started, rows, skipped = torch.device("cuda"), time.perf_counter(), [], []
+    for shape in tqdm(shapes, desc="shapes", unit="shape", disable=args.quiet):
+        splits = imbalanced_splits(shape.tokens, shape.experts, args.seed, 16)
+        torch.manual_seed(args.seed)
+        d = Data(shape, splits, device, torch.bfloat16)
+        for product, (theirs, ours, reference) in products(d).items():
+            if product not in wanted:
+                continue
+            want = reference()
+            kernels = {"default": ours} | {v: under_env(ours, {"SPLITGRAD_GROUPED_GEMM_VARIANT": v})
+                                           for v in VARIANTS[product]}
+            reasons = {}
+            kernels = available(kernels, reasons)
+            errors = {}
+            for name, fn in list(kernels.items()):
+                try:
+                    checked(name, fn, d, want, product, errors)
+                except RuntimeError as error:
+                    reasons[name] = str(error)
+                    del kernels[name]
+            skipped += [f"{shape.name} {product} {name}: {why}" for name, why in reasons.items()]
+            first = time_side_by_side(theirs | kernels, min_ms=args.min_ms)
+            best = min(kernels, key=lambda name: first[name])
+            env = {} if best == "default" else {"SPLITGRAD_GROUPED_GEMM_VARIANT": best}
+            ordered = {f"{best} {r}{s}": under_env(ours, env | {"SPLITGRAD_GROUPED_GEMM_RASTER": r,
+                                                                 "SPLITGRAD_GROUPED_GEMM_SWIZZLE": str(s)})
+                       for r, s in ORDERS}
+            for name, fn in ordered.items():
+                checked(name, fn, d, want, product, errors)
+            second = time_side_by_side(theirs | {best: kernels[best]} | ordered, min_ms=args.min_ms)
+            reference_name = "addmm loop" if product == "wgrad" else min(theirs, key=lambda n: first[n])
+            rows.append({"shape": shape.name, "product": product, "pass1": first, "pass2": second,
+                         "best": best, "reference": reference_name, "errors": errors})
+        del d
+        torch.cuda.empty_cache()
+
+    text = []
+    for row in rows:
+        ref = row["pass1"][row["reference"]]
+        table = [[name, f"{ms * 1e3:.1f}", f"{ms / ref:.3f}"] for name, ms in sorted(row["pass1"].items(), key=lambda kv: kv[1])]
+        text.append(f"#### {row['shape']} {row['product']}: pass 1 (vs {row['reference']})\n\n"
+                    + markdown_table(["kernel", "µs", "ratio"], table))
+        ref2 = row["pass2"][row["reference"]]
+        table = [[name, f"{ms * 1e3:.1f}", f"{ms / ref2:.3f}"] for name, ms in sorted(row["pass2"].items(), key=lambda kv: kv[1])]
+        text.append(f"#### {row['shape']} {row['product']}: pass 2, {row['best']}'s tile orders\n\n"
+                    + markdown_table(["kernel", "µs", "ratio"], table))
+    text += [f"skipped: {line}" for line in skipped]
+    print("\n\n".join(text))
+    elapsed = time.perf_counter() - started
+    print(f"{len(rows)} shape-products in {elapsed:.1f} s on {device_description()}")
+    if args.out:
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        write_results(args.out, "tune_grouped", {"date": date, "device": device_description(),
+                                                 "torch": torch.__version__, "rows": rows, "skipped": skipped,
+                                                 "seconds": elapsed})
+        with open(f"{args.out}/tune_grouped.md", "w") as f:
+            f.write(f"{date}, {device_description()}\n\n" + "\n\n".join(text) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
