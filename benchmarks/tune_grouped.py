@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     parser.add_argument("--min-ms", type=float, default=40.0, help="device time per contender, at least")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--all-orders", action="store_true",
+                        help="pass 2 for every kernel (raster m and n, swizzle 1 and 2), not only pass 1's winner")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -129,8 +131,11 @@ def main(argv=None) -> int:
             if product not in wanted:
                 continue
             want = reference()
-            kernels = {"default": ours} | {v: under_env(ours, {"SPLITGRAD_GROUPED_GEMM_VARIANT": v})
-                                           for v in VARIANTS[product]}
+            envs = {"default": {}} | {v: {"SPLITGRAD_GROUPED_GEMM_VARIANT": v} for v in VARIANTS[product]}
+            if product == "wgrad":  # the shipped fp32 kernels, each forced
+                envs |= {f"shipped {schedule}": {"SPLITGRAD_GROUPED_WGRAD_SCHEDULE": schedule}
+                         for schedule in ("pingpong", "cooperative")}
+            kernels = {name: under_env(ours, env) for name, env in envs.items()}
             reasons = {}
             kernels = available(kernels, reasons)
             errors = {}
@@ -143,10 +148,12 @@ def main(argv=None) -> int:
             skipped += [f"{shape.name} {product} {name}: {why}" for name, why in reasons.items()]
             first = time_side_by_side(theirs | kernels, min_ms=args.min_ms)
             best = min(kernels, key=lambda name: first[name])
-            env = {} if best == "default" else {"SPLITGRAD_GROUPED_GEMM_VARIANT": best}
-            ordered = {f"{best} {r}{s}": under_env(ours, env | {"SPLITGRAD_GROUPED_GEMM_RASTER": r,
-                                                                 "SPLITGRAD_GROUPED_GEMM_SWIZZLE": str(s)})
-                       for r, s in ORDERS}
+            ordered = {}
+            for kernel in list(kernels) if args.all_orders else [best]:
+                env = envs[kernel]
+                for r, s in ORDERS if not args.all_orders else [("m", 1), ("n", 1), ("n", 2)]:
+                    ordered[f"{kernel} {r}{s}"] = under_env(ours, env | {"SPLITGRAD_GROUPED_GEMM_RASTER": r,
+                                                                         "SPLITGRAD_GROUPED_GEMM_SWIZZLE": str(s)})
             for name, fn in ordered.items():
                 checked(name, fn, d, want, product, errors)
             second = time_side_by_side(theirs | {best: kernels[best]} | ordered, min_ms=args.min_ms)
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
                     + markdown_table(["kernel", "µs", "ratio"], table))
         ref2 = row["pass2"][row["reference"]]
         table = [[name, f"{ms * 1e3:.1f}", f"{ms / ref2:.3f}"] for name, ms in sorted(row["pass2"].items(), key=lambda kv: kv[1])]
-        text.append(f"#### {row['shape']} {row['product']}: pass 2, {row['best']}'s tile orders\n\n"
+        text.append(f"#### {row['shape']} {row['product']}: pass 2, tile orders (raster m|n, swizzle)\n\n"
                     + markdown_table(["kernel", "µs", "ratio"], table))
     text += [f"skipped: {line}" for line in skipped]
     print("\n\n".join(text))
