@@ -33,7 +33,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import chosen_by_name, device_description, print_table, time_cpu, time_side_by_side, write_results  # noqa: E402
+from common import (chosen_by_name, device_description, print_table, time_cpu, time_side_by_side,  # noqa: E402
+                    write_results)
 
 import splitgrad  # noqa: E402,F401  (registers torch.ops.splitgrad)
 
