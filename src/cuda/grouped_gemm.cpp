@@ -22,16 +22,18 @@ struct Kernel {
   size_t (*workspace_bytes)(const GroupedGemmArgs&) = nullptr;
 };
 
-// The fp32 wgrad's schedule. Measured on the H200 (BENCHMARKS.md, "GroupedLinear"): ping-pong
-// wins while each group's sum is short (its fp32 epilogue overlaps the other warp group's main
-// loop), cooperative's larger tile once the main loop dominates (2 experts of 4096 rows: 1.08x
-// the per-expert cuBLAS loop against ping-pong's 1.17x). SPLITGRAD_GROUPED_WGRAD_SCHEDULE=
-// pingpong|cooperative forces one, for benchmarks/bench_grouped.py to measure both.
+// The fp32 wgrad's schedule, from benchmarks/tune_grouped.py on the H200 (BENCHMARKS.md,
+// "GroupedLinear"), both walking tiles along N: ping-pong (one warp group's fp32 epilogue
+// overlapping the other's main loop) wins while the groups average 1024 rows or more (0.76-0.94x
+// the per-expert addmm loop, against cooperative's 0.81-1.10x); cooperative's 128x256 tile once
+// they are short (32 experts of 512 rows on average: 0.82x against 0.86x), each tile's fixed
+// cost then weighing more than the overlap. SPLITGRAD_GROUPED_WGRAD_SCHEDULE=
+// pingpong|cooperative forces one.
 bool cooperative_fp32_wgrad(const GroupedGemmArgs& args) {
   const char* forced = std::getenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE");
   if (forced != nullptr && std::strcmp(forced, "cooperative") == 0) return true;
   if (forced != nullptr && std::strcmp(forced, "pingpong") == 0) return false;
-  return args.rows >= 2048 * args.groups;
+  return args.rows < 768 * args.groups;
 }
 
 #ifdef SPLITGRAD_GROUPED_GEMM_TUNING

@@ -185,6 +185,18 @@ std::vector<std::vector<const void*>> rounds_of(const std::vector<const void*>& 
   return rounds;
 }
 
+// fprop and dgrad of a few large experts whose splits are known on the host: cuBLAS's per-expert
+// GEMMs beat the grouped kernel (H200, benchmarks/tune_grouped.py: 8 DeepSeek-V3 experts of 1024
+// rows on average, 7168 -> 4096, in 0.89x its time; 2048 -> 7168 in 0.91x; no tile, cluster or
+// order of the grouped kernel closes it). From 16 experts, or below 1024 or from 4096 rows on
+// average, the grouped kernel is as fast or faster (Qwen3's 16: 0.78x the loop; Mixtral's 2:
+// dgrad 0.95x). Device splits always take the grouped kernel: a loop would read them on the host.
+bool per_expert_loop_is_faster(const at::Tensor& m_splits, int64_t rows) {
+  const int64_t groups = m_splits.numel();
+  return m_splits.device().is_cpu() && groups > 0 && groups <= 8 && rows >= 1024 * groups &&
+         rows < 4096 * groups;
+}
+
 at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_splits,
                                 at::TensorList weights, at::TensorList biases) {
   const auto who = detail::named("splitgrad::grouped_linear_fprop");
@@ -197,7 +209,8 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     return input.dim() == 2 ? y : y.view(detail::with_last_dim(input.sizes(), out));
   };
   // An empty product (in_features 0) is the loop's: it writes the bias or zeros.
-  if (x.size(1) > 0 && out > 0 && grouped_kernels_take({x}, weights)) {
+  if (x.size(1) > 0 && out > 0 && !per_expert_loop_is_faster(m_splits, x.size(0)) &&
+      grouped_kernels_take({x}, weights)) {
     at::Tensor y = at::empty({x.size(0), out}, input.options());
     const bool has_rows = x.size(0) > 0;
     const at::Tensor splits =
@@ -244,7 +257,8 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
   const auto shaped = [&](const at::Tensor& dx) {
     return grad_output.dim() == 2 ? dx : dx.view(detail::with_last_dim(grad_output.sizes(), in));
   };
-  if (in > 0 && dy.size(1) > 0 && grouped_kernels_take({dy}, weights)) {
+  if (in > 0 && dy.size(1) > 0 && !per_expert_loop_is_faster(m_splits, dy.size(0)) &&
+      grouped_kernels_take({dy}, weights)) {
     at::Tensor dx = at::empty({dy.size(0), in}, grad_output.options());
     const bool has_rows = dy.size(0) > 0;
     const at::Tensor splits = device_splits(who, m_splits, dy, /*check_now=*/!has_rows);

@@ -192,3 +192,39 @@ def test_delayed_bias_gradient_is_bit_identical_to_immediate(dtype):
     # (the weight's GEMM runs with beta = 1 into zeros when deferred, beta = 0 when immediate: the
     # heuristic may pick another kernel, so only closeness is promised there)
     torch.testing.assert_close(delayed.weight.grad, immediate.weight.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("capture", [False, True], ids=["eager", "cuda-graph"])
+def test_bias_gradient_beside_the_gemm_on_a_side_stream(dtype, capture):
+    """From 2**21 elements of dy the column sum runs on a side stream during the wgrad GEMM. Its
+    result must equal the same kernel's one-after-the-other result bit for bit (the bias-only call
+    runs it alone), be complete when the caller's stream reads it (a user stream, dy freshly written
+    after a sleep so a missing fork or join reads stale data), and replay from a CUDA graph."""
+    tokens, fin, fout = 4096, 512, 1024  # dy: 4096 x 1024 = 2**22 elements
+    x, dy = random(tokens, fin, dtype=dtype), random(tokens, fout, dtype=dtype)
+    weight_alone, bias_alone = torch.zeros(fout, fin, device="cuda"), torch.randn(fout, device="cuda")
+    weight_target, bias_target = weight_alone.clone(), bias_alone.clone()
+    torch.ops.splitgrad.linear_wgrad_accumulate_(dy, x, weight_alone, None)
+    torch.ops.splitgrad.linear_wgrad_accumulate_(dy, x[:, :0], weight_alone[:, :0], bias_alone)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        late_dy = torch.zeros_like(dy)
+        torch.cuda._sleep(20_000_000)
+        late_dy.copy_(dy)
+        if capture:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                torch.ops.splitgrad.linear_wgrad_accumulate_(late_dy, x, weight_target, bias_target)
+            graph.replay()
+        else:
+            torch.ops.splitgrad.linear_wgrad_accumulate_(late_dy, x, weight_target, bias_target)
+        bias_seen = bias_target.clone()
+        weight_seen = weight_target.clone()
+    torch.cuda.synchronize()
+    assert torch.equal(bias_seen, bias_alone)
+    assert torch.equal(weight_seen, weight_alone)
+    _, fresh_bias = torch.ops.splitgrad.linear_wgrad(dy, x, True)
+    _, reference_bias = torch.ops.splitgrad.linear_wgrad(dy[:, :], x[:, :0], True)
+    assert torch.equal(fresh_bias, reference_bias)

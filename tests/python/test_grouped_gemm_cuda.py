@@ -30,6 +30,8 @@ SPLITS = {
     "one-takes-all": [0, 0, 0, 513, 0, 0, 0, 0],
     "no-rows": [0] * 8,
     "odd": [3, 7, 1, 9, 2, 8, 5, 11],
+    # 1024+ rows per expert on average: with host splits fprop and dgrad loop over the experts
+    "few-large": [1024, 2048, 16, 1200, 1100, 1500, 1024, 1312],
 }
 
 
