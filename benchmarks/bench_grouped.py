@@ -25,7 +25,9 @@ splits used are printed. The contenders:
   as a list and as a tensor on the device) against one splitgrad.Linear's, CPU µs per call
   (time.perf_counter around the call, after warmup; the cases interleaved), with the gradients
   going to fp32 main_grads, to a fresh .grad and to an existing one. On the CPU (``--device cpu``:
-  8 -> 8 features, 32 tokens, one thread) the GEMMs run on the host too. Target: <= 2x.
+  8 -> 8 features, 32 tokens, one thread) the GEMMs run on the host too: the wgrad op is also
+  timed alone, and "backward_dw() - op" is the bookkeeping (store, ledger, gradient targets).
+  Target: <= 2x.
 
 Device time: the median of CUDA-event timings in interleaved rounds (common.time_side_by_side).
 Before timing, each contender runs once from zeroed buffers and its result is compared with an
@@ -341,6 +343,24 @@ def host_passes(device, dtype, target: str, features: int, tokens: int, splits: 
     return dict(zip(HOST_LAYERS, (make_pass(linear), make_pass(grouped, splits), make_pass(grouped, splits_tensor))))
 
 
+def host_ops_alone(device, dtype, features: int, tokens: int, splits: list[int]) -> dict:
+    """The wgrad-accumulate op that backward_dw() runs in the main_grad case, called on its own
+    (same shapes, fp32 main_grad targets), per HOST_LAYERS entry: the rest of backward_dw()'s host
+    time is bookkeeping (store, ledger, gradient targets)."""
+    x = torch.randn(tokens, features, device=device, dtype=dtype)
+    dy = torch.randn(tokens, features, device=device, dtype=dtype)
+    main_grad = torch.zeros(HOST_EXPERTS, features, features, device=device)
+    bias_main_grad = torch.zeros(HOST_EXPERTS, features, device=device)
+    weights, biases = list(main_grad.unbind(0)), list(bias_main_grad.unbind(0))
+    splits_cpu = torch.tensor(splits)  # what a list becomes in the forward
+    splits_device = splits_cpu.to(device)
+    return dict(zip(HOST_LAYERS, (
+        lambda: OPS.linear_wgrad_accumulate_(dy, x, weights[0], biases[0]),
+        lambda: OPS.grouped_linear_wgrad_accumulate_(dy, x, splits_cpu, weights, biases),
+        lambda: OPS.grouped_linear_wgrad_accumulate_(dy, x, splits_device, weights, biases),
+    )))
+
+
 def bench_host(device, dtype, args) -> dict:
     """One backward_dw() of a 32-expert GroupedLinear (splits as a list and as a tensor on the
     device) against one splitgrad.Linear's, for each gradient target (HOST_TARGETS). The calls of
@@ -356,12 +376,20 @@ def bench_host(device, dtype, args) -> dict:
     try:
         cases = {(target, name): case for target in HOST_TARGETS
                  for name, case in host_passes(device, dtype, target, features, tokens, splits).items()}
-        samples: dict = {key: [] for key in cases}
+        ops_alone = host_ops_alone(device, dtype, features, tokens, splits)
+        samples: dict = {key: [] for key in [*cases, *ops_alone]}
         for i in range(args.host_warmup + args.host_reps):
             for key, (layer, make_pass) in cases.items():
                 seconds = host_seconds_of_backward_dw(layer, make_pass, device)
                 if i >= args.host_warmup:
                     samples[key].append(seconds)
+            for name, op in ops_alone.items():
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                op()
+                if i >= args.host_warmup:
+                    samples[name].append(time.perf_counter() - start)
         if device.type == "cuda":
             torch.cuda.synchronize()
         used_threads = torch.get_num_threads()
@@ -375,7 +403,8 @@ def bench_host(device, dtype, args) -> dict:
 
     return {"experts": HOST_EXPERTS, "features": features, "tokens": tokens, "splits": splits,
             "reps": args.host_reps, "threads": used_threads, "dtype": str(dtype).removeprefix("torch."),
-            "median_us": per_target(statistics.median), "mean_us": per_target(statistics.fmean)}
+            "median_us": per_target(statistics.median), "mean_us": per_target(statistics.fmean),
+            "op_alone_median_us": {name: statistics.median(samples[name]) * 1e6 for name in HOST_LAYERS}}
 
 
 def markdown_table(columns: list[str], rows: list[list[object]]) -> str:
@@ -483,6 +512,12 @@ def host_table(report: Report, host: dict) -> None:
     rows = [[target, *(f"{median[target][name]:.1f}" for name in HOST_LAYERS),
              *(ratio(median[target][name], median[target]["Linear"], TARGET_HOST) for name in HOST_LAYERS[1:])]
             for target in HOST_TARGETS]
+    op = host["op_alone_median_us"]
+    rest = {name: median["main_grad"][name] - op[name] for name in HOST_LAYERS}
+    # The op alone is called through torch.ops from Python, which costs a few µs more than the
+    # bound backward_dw() call: the difference is the bookkeeping less that constant.
+    rows += [["main_grad: the op alone", *(f"{op[name]:.1f}" for name in HOST_LAYERS), "", ""],
+             ["main_grad: backward_dw() - op", *(f"{rest[name]:.1f}" for name in HOST_LAYERS), "", ""]]
     report.table(f"host time of one backward_dw(), µs per call (median of {host['reps']}, {host['threads']} "
                  f"thread(s)); GroupedLinear {host['experts']} experts, {host['features']} -> {host['features']}, "
                  f"{host['tokens']} tokens, {host['dtype']}; target <= {TARGET_HOST} x Linear's",

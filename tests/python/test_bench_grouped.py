@@ -46,6 +46,8 @@ def test_tiny_cpu_run_times_every_contender_and_they_agree(tmp_path, capsys):
     for per_layer in host["median_us"].values():
         assert set(per_layer) == {"Linear", "GroupedLinear, list splits", "GroupedLinear, tensor splits"}
         assert all(us > 0 for us in per_layer.values())
+    assert set(host["op_alone_median_us"]) == set(host["median_us"]["main_grad"])
+    assert all(us > 0 for us in host["op_alone_median_us"].values())
     assert host["threads"] == 1 and (host["features"], host["tokens"]) == bench.HOST_SIZES["cpu"]
     printed = capsys.readouterr().out
     assert "tiny-8 (8 x 32 -> 16, 256 tokens): splits [" in printed
