@@ -250,25 +250,30 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
                                                              : std::optional(bias_grad));
     }
     std::vector<at::Tensor> fresh_weight, fresh_bias;
-    if (any_weight_to_grad) {
-      std::tie(fresh_weight, fresh_bias) =
-          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
-    } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
-      for (size_t i = 0; i < groups; ++i) {
-        fresh_bias.push_back(bias_value[i]
-                                 ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
-                                 : at::Tensor());
-        if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+    {
+      // Grad mode is off: the grouped op, and the ATen ops it runs per group, skip the autograd
+      // kernels (and the boxed autograd fallback of the op itself). Version counters still move.
+      at::AutoDispatchBelowAutograd below_autograd;
+      if (any_weight_to_grad) {
+        std::tie(fresh_weight, fresh_bias) =
+            ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
+      } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
+        for (size_t i = 0; i < groups; ++i) {
+          fresh_bias.push_back(bias_value[i]
+                                   ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
+                                   : at::Tensor());
+          if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+        }
       }
-    }
-    const bool any_in_place =
-        std::any_of(weight_targets.begin(), weight_targets.end(),
-                    [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
-        std::any_of(bias_targets.begin(), bias_targets.end(),
-                    [](const std::optional<at::Tensor>& t) { return t.has_value(); });
-    if (any_in_place) {
-      ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
-                                            bias_targets);
+      const bool any_in_place =
+          std::any_of(weight_targets.begin(), weight_targets.end(),
+                      [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
+          std::any_of(bias_targets.begin(), bias_targets.end(),
+                      [](const std::optional<at::Tensor>& t) { return t.has_value(); });
+      if (any_in_place) {
+        ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
+                                              bias_targets);
+      }
     }
     for (size_t i = 0; i < groups; ++i) {
       if (weight_to_grad[i]) add_to_grad(sinks[i].weight, fresh_weight[i]);
