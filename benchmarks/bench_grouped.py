@@ -345,8 +345,9 @@ def host_passes(device, dtype, target: str, features: int, tokens: int, splits: 
 
 def host_ops_alone(device, dtype, features: int, tokens: int, splits: list[int]) -> dict:
     """The wgrad-accumulate op that backward_dw() runs in the main_grad case, called on its own
-    (same shapes, fp32 main_grad targets), per HOST_LAYERS entry: the rest of backward_dw()'s host
-    time is bookkeeping (store, ledger, gradient targets)."""
+    as backward_dw() calls it (same shapes, fp32 main_grad targets, grad mode off, the grouped op
+    below autograd), per HOST_LAYERS entry: the rest of backward_dw()'s host time is bookkeeping
+    (store, ledger, gradient targets)."""
     x = torch.randn(tokens, features, device=device, dtype=dtype)
     dy = torch.randn(tokens, features, device=device, dtype=dtype)
     main_grad = torch.zeros(HOST_EXPERTS, features, features, device=device)
@@ -354,10 +355,16 @@ def host_ops_alone(device, dtype, features: int, tokens: int, splits: list[int])
     weights, biases = list(main_grad.unbind(0)), list(bias_main_grad.unbind(0))
     splits_cpu = torch.tensor(splits)  # what a list becomes in the forward
     splits_device = splits_cpu.to(device)
+
+    @torch.no_grad()
+    def grouped(splits):
+        with torch._C._AutoDispatchBelowAutograd():
+            OPS.grouped_linear_wgrad_accumulate_(dy, x, splits, weights, biases)
+
     return dict(zip(HOST_LAYERS, (
-        lambda: OPS.linear_wgrad_accumulate_(dy, x, weights[0], biases[0]),
-        lambda: OPS.grouped_linear_wgrad_accumulate_(dy, x, splits_cpu, weights, biases),
-        lambda: OPS.grouped_linear_wgrad_accumulate_(dy, x, splits_device, weights, biases),
+        torch.no_grad()(lambda: OPS.linear_wgrad_accumulate_(dy, x, weights[0], biases[0])),
+        lambda: grouped(splits_cpu),
+        lambda: grouped(splits_device),
     )))
 
 
