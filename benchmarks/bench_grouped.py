@@ -22,8 +22,12 @@ splits used are printed. The contenders:
   gradients alone (no weight targets), and per-expert ``main_grad_b_i.add_(dy_i.sum(0))``.
   Target: all experts' bias gradients in one pass over dy.
 - **host time**: one ``backward_dw()`` of a 32-expert splitgrad.GroupedLinear (tiny shapes; splits
-  as a list and as a device tensor) against one splitgrad.Linear's, CPU µs per call
-  (time.perf_counter around the call, after warmup). Target: <= 2x.
+  as a list and as a tensor on the device) against one splitgrad.Linear's, CPU µs per call
+  (time.perf_counter around the call, after warmup; the cases interleaved), with the gradients
+  going to fp32 main_grads, to a fresh .grad and to an existing one. On the CPU (``--device cpu``:
+  8 -> 8 features, 32 tokens, one thread) the GEMMs run on the host too: the wgrad op is also
+  timed alone, and "backward_dw() - op" is the bookkeeping (store, ledger, gradient targets).
+  Target: <= 2x.
 
 Device time: the median of CUDA-event timings in interleaved rounds (common.time_side_by_side).
 Before timing, each contender runs once from zeroed buffers and its result is compared with an
@@ -33,6 +37,7 @@ call fails, its columns show "-" and the reason is printed.
 
     bash scripts/gpu_run.sh python benchmarks/bench_grouped.py --out out        # H200
     python benchmarks/bench_grouped.py --device cpu --tiny --out out              # CPU smoke test
+    python benchmarks/bench_grouped.py --device cpu --only host --host-reps 2000   # CPU host time
 """
 
 from __future__ import annotations
@@ -95,7 +100,13 @@ TINY_SHAPES = [
     Shape("tiny-32", 32, 16, 24, 1024),
 ]
 # The host-time layers: tiny, so that what is measured is the host's work per backward_dw().
-HOST_EXPERTS, HOST_FEATURES, HOST_TOKENS = 32, 64, 512
+# (features, tokens) per device: on the CPU the GEMMs themselves run on the host, so smaller.
+HOST_EXPERTS = 32
+HOST_SIZES = {"cuda": (64, 512), "cpu": (8, 32)}
+# Where the deferred gradients go: fp32 main_grads (fuse_wgrad_accumulation), a .grad made by the
+# call (None before each pass), an existing .grad added to.
+HOST_TARGETS = ("main_grad", ".grad fresh", ".grad kept")
+HOST_LAYERS = ("Linear", "GroupedLinear, list splits", "GroupedLinear, tensor splits")
 
 
 def imbalanced_splits(tokens: int, experts: int, seed: int, align: int, exponent: float = 1.0) -> list[int]:
@@ -295,50 +306,112 @@ def bench_bias(shape: Shape, d: Data, device, args, skipped) -> dict:
     return {"ms": timed(fns, device, args.min_ms), "max_rel_err": errors}
 
 
-def host_seconds_of_backward_dw(layer, make_pass: Callable[[], None], device, warmup: int, reps: int) -> list[float]:
-    """Per-call host seconds of layer.backward_dw(), each after an untimed forward and backward that
-    queue its work (and, on a GPU, a synchronisation, so no earlier work is waited for)."""
-    seconds = []
-    for i in range(warmup + reps):
-        make_pass()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        layer.backward_dw()
-        elapsed = time.perf_counter() - start
-        if i >= warmup:
-            seconds.append(elapsed)
+def host_seconds_of_backward_dw(layer, make_pass: Callable[[], None], device) -> float:
+    """Host seconds of one layer.backward_dw(), after an untimed forward and backward that queue its
+    work (and, on a GPU, a synchronisation, so no earlier work is waited for)."""
+    make_pass()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return seconds
+    start = time.perf_counter()
+    layer.backward_dw()
+    return time.perf_counter() - start
+
+
+def host_passes(device, dtype, target: str, features: int, tokens: int, splits: list[int]) -> dict:
+    """The (layer, make_pass) of each HOST_LAYERS entry for one HOST_TARGETS entry: layers delayed,
+    fused into fp32 main_grads for "main_grad", else writing .grad (set to None before every pass
+    for ".grad fresh", kept and added to for ".grad kept")."""
+    fused = target == "main_grad"
+    kw = dict(params_dtype=dtype, device=device, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    grouped = splitgrad.GroupedLinear(HOST_EXPERTS, features, features, name=f"bench_grouped_host ({target})", **kw)
+    linear = splitgrad.Linear(features, features, name=f"bench_linear_host ({target})", **kw)
+    for p in [*grouped.parameters(), *linear.parameters()]:
+        if fused:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    splits_tensor = torch.tensor(splits, device=device)
+    x = torch.randn(tokens, features, device=device, dtype=dtype)
+    dy = torch.randn(tokens, features, device=device, dtype=dtype)
+
+    def make_pass(layer, *splits_arg):
+        def run():
+            if target == ".grad fresh":
+                for p in layer.parameters():
+                    p.grad = None
+            layer(x, *splits_arg).backward(dy)
+        return layer, run
+
+    return dict(zip(HOST_LAYERS, (make_pass(linear), make_pass(grouped, splits), make_pass(grouped, splits_tensor))))
+
+
+def host_ops_alone(device, dtype, features: int, tokens: int, splits: list[int]) -> dict:
+    """The wgrad-accumulate op that backward_dw() runs in the main_grad case, called on its own
+    as backward_dw() calls it (same shapes, fp32 main_grad targets, grad mode off, the grouped op
+    below autograd), per HOST_LAYERS entry: the rest of backward_dw()'s host time is bookkeeping
+    (store, ledger, gradient targets)."""
+    x = torch.randn(tokens, features, device=device, dtype=dtype)
+    dy = torch.randn(tokens, features, device=device, dtype=dtype)
+    main_grad = torch.zeros(HOST_EXPERTS, features, features, device=device)
+    bias_main_grad = torch.zeros(HOST_EXPERTS, features, device=device)
+    weights, biases = list(main_grad.unbind(0)), list(bias_main_grad.unbind(0))
+    splits_cpu = torch.tensor(splits)  # what a list becomes in the forward
+    splits_device = splits_cpu.to(device)
+
+    @torch.no_grad()
+    def grouped(splits):
+        with torch._C._AutoDispatchBelowAutograd():
+            OPS.grouped_linear_wgrad_accumulate_(dy, x, splits, weights, biases)
+
+    return dict(zip(HOST_LAYERS, (
+        torch.no_grad()(lambda: OPS.linear_wgrad_accumulate_(dy, x, weights[0], biases[0])),
+        lambda: grouped(splits_cpu),
+        lambda: grouped(splits_device),
+    )))
 
 
 def bench_host(device, dtype, args) -> dict:
-    """One backward_dw() of a 32-expert GroupedLinear (splits as a list and as a device tensor)
-    against one splitgrad.Linear's, both delayed and fused into fp32 main_grads."""
+    """One backward_dw() of a 32-expert GroupedLinear (splits as a list and as a tensor on the
+    device) against one splitgrad.Linear's, for each gradient target (HOST_TARGETS). The calls of
+    all cases are interleaved, round after round, so that a busy machine slows them alike. On the
+    CPU, one thread (the op's GEMMs then do not hide the host's work behind thread start-ups)."""
     torch.manual_seed(args.seed)
-    kw = dict(params_dtype=dtype, device=device, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
-    grouped = splitgrad.GroupedLinear(HOST_EXPERTS, HOST_FEATURES, HOST_FEATURES, name="bench_grouped_host", **kw)
-    linear = splitgrad.Linear(HOST_FEATURES, HOST_FEATURES, name="bench_linear_host", **kw)
-    for p in [*grouped.parameters(), *linear.parameters()]:
-        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
-    splits = imbalanced_splits(HOST_TOKENS, HOST_EXPERTS, args.seed, 1, args.zipf)
-    splits_device = torch.tensor(splits, device=device)
-    x = torch.randn(HOST_TOKENS, HOST_FEATURES, device=device, dtype=dtype)
-    dy = torch.randn(HOST_TOKENS, HOST_FEATURES, device=device, dtype=dtype)
-    passes = {
-        "Linear": (linear, lambda: linear(x).backward(dy)),
-        "GroupedLinear, list splits": (grouped, lambda: grouped(x, splits).backward(dy)),
-        "GroupedLinear, device splits": (grouped, lambda: grouped(x, splits_device).backward(dy)),
-    }
-    samples = {name: host_seconds_of_backward_dw(layer, make_pass, device, args.host_warmup, args.host_reps)
-               for name, (layer, make_pass) in passes.items()}
+    features = args.host_features or HOST_SIZES[device.type][0]
+    tokens = args.host_tokens or HOST_SIZES[device.type][1]
+    splits = imbalanced_splits(tokens, HOST_EXPERTS, args.seed, 1, args.zipf)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        cases = {(target, name): case for target in HOST_TARGETS
+                 for name, case in host_passes(device, dtype, target, features, tokens, splits).items()}
+        ops_alone = host_ops_alone(device, dtype, features, tokens, splits)
+        samples: dict = {key: [] for key in [*cases, *ops_alone]}
+        for i in range(args.host_warmup + args.host_reps):
+            for key, (layer, make_pass) in cases.items():
+                seconds = host_seconds_of_backward_dw(layer, make_pass, device)
+                if i >= args.host_warmup:
+                    samples[key].append(seconds)
+            for name, op in ops_alone.items():
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                op()
+                if i >= args.host_warmup:
+                    samples[name].append(time.perf_counter() - start)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        used_threads = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(threads)
     if splitgrad.pending_wgrads():
         raise RuntimeError(f"host time: deferred work left: {splitgrad.layers_with_pending_wgrads()}")
-    return {"experts": HOST_EXPERTS, "features": HOST_FEATURES, "tokens": HOST_TOKENS, "splits": splits,
-            "reps": args.host_reps,
-            "median_us": {name: statistics.median(s) * 1e6 for name, s in samples.items()},
-            "mean_us": {name: statistics.fmean(s) * 1e6 for name, s in samples.items()}}
+
+    def per_target(stat):
+        return {target: {name: stat(samples[target, name]) * 1e6 for name in HOST_LAYERS} for target in HOST_TARGETS}
+
+    return {"experts": HOST_EXPERTS, "features": features, "tokens": tokens, "splits": splits,
+            "reps": args.host_reps, "threads": used_threads, "dtype": str(dtype).removeprefix("torch."),
+            "median_us": per_target(statistics.median), "mean_us": per_target(statistics.fmean),
+            "op_alone_median_us": {name: statistics.median(samples[name]) * 1e6 for name in HOST_LAYERS}}
 
 
 def markdown_table(columns: list[str], rows: list[list[object]]) -> str:
@@ -442,14 +515,21 @@ def bias_table(report: Report, results: list[dict]) -> None:
 
 
 def host_table(report: Report, host: dict) -> None:
-    base = host["median_us"]["Linear"]
-    rows = [[name, f"{median:.1f}", f"{host['mean_us'][name]:.1f}",
-             "1" if name == "Linear" else ratio(median, base, TARGET_HOST)]
-            for name, median in host["median_us"].items()]
-    report.table(f"host time of one backward_dw(), µs per call (median and mean of {host['reps']}); GroupedLinear "
-                 f"{host['experts']} experts, {host['features']} -> {host['features']}, {host['tokens']} tokens; "
-                 f"target <= {TARGET_HOST} x Linear's",
-                 ["layer", "median µs", "mean µs", "vs Linear"], rows)
+    median = host["median_us"]
+    rows = [[target, *(f"{median[target][name]:.1f}" for name in HOST_LAYERS),
+             *(ratio(median[target][name], median[target]["Linear"], TARGET_HOST) for name in HOST_LAYERS[1:])]
+            for target in HOST_TARGETS]
+    op = host["op_alone_median_us"]
+    rest = {name: median["main_grad"][name] - op[name] for name in HOST_LAYERS}
+    # The op alone is called through torch.ops from Python, which costs a few µs more than the
+    # bound backward_dw() call: the difference is the bookkeeping less that constant.
+    rows += [["main_grad: the op alone", *(f"{op[name]:.1f}" for name in HOST_LAYERS), "", ""],
+             ["main_grad: backward_dw() - op", *(f"{rest[name]:.1f}" for name in HOST_LAYERS), "", ""]]
+    report.table(f"host time of one backward_dw(), µs per call (median of {host['reps']}, {host['threads']} "
+                 f"thread(s)); GroupedLinear {host['experts']} experts, {host['features']} -> {host['features']}, "
+                 f"{host['tokens']} tokens, {host['dtype']}; target <= {TARGET_HOST} x Linear's",
+                 ["gradient target", "Linear", "grouped, list splits", "grouped, tensor splits", "list / Linear",
+                  "tensor / Linear"], rows)
 
 
 def grouped_mm_note(device, dtype) -> str | None:
@@ -477,6 +557,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-ms", type=float, default=60.0, help="device time per contender to time, at least")
     parser.add_argument("--host-reps", type=int, default=200, help="backward_dw() calls timed per layer")
     parser.add_argument("--host-warmup", type=int, default=20)
+    parser.add_argument("--host-features", type=int, default=None,
+                        help=f"host-time layers' in and out features (default: {HOST_SIZES})")
+    parser.add_argument("--host-tokens", type=int, default=None, help="host-time tokens (default: as above)")
     parser.add_argument("--out", default=None, help="folder for bench_grouped.json and bench_grouped.md")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)

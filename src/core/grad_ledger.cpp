@@ -90,9 +90,17 @@ bool GradLedger::pass_open(PassId pass) const {
 
 void GradLedger::note_autograd_contribution(const at::Tensor& param, PassId pass) {
   std::lock_guard<std::mutex> lock(mutex_);
-  PassState& ps = pass_state(param, pass);
-  TORCH_INTERNAL_ASSERT(!ps.autograd_done,
+  TORCH_INTERNAL_ASSERT(!pass_state(param, pass).autograd_done,
                         "GradLedger: autograd contribution after its pass ended (pass ", pass, ")");
+}
+
+void GradLedger::note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& param : params) {
+    TORCH_INTERNAL_ASSERT(!pass_state(param, pass).autograd_done,
+                          "GradLedger: autograd contribution after its pass ended (pass ", pass,
+                          ")");
+  }
 }
 
 void GradLedger::expect_deferred(const at::Tensor& param, PassId pass) {
@@ -100,34 +108,61 @@ void GradLedger::expect_deferred(const at::Tensor& param, PassId pass) {
   pass_state(param, pass).owed += 1;
 }
 
+void GradLedger::expect_deferred(const std::vector<at::Tensor>& params, PassId pass) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& param : params) pass_state(param, pass).owed += 1;
+}
+
 void GradLedger::deferred_landed(const at::Tensor& param, PassId pass) {
   std::vector<Firing> firings;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    Key key = param.unsafeGetTensorImpl();
-    auto it = params_.find(key);
-    TORCH_INTERNAL_ASSERT(it != params_.end() && it->second.passes.count(pass),
-                          "GradLedger: a deferred contribution landed that was never expected");
-    PassState& ps = it->second.passes[pass];
-    TORCH_INTERNAL_ASSERT(ps.owed > 0, "GradLedger: more deferred contributions than expected");
-    ps.owed -= 1;
-    settle(key, pass, firings);
+    landed_locked(param, pass, firings);
   }
   fire(firings);
 }
 
-void GradLedger::deferred_dropped(const at::Tensor& param, PassId pass) {
+void GradLedger::deferred_landed(const std::vector<at::Tensor>& params, PassId pass) {
   std::vector<Firing> firings;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    Key key = param.unsafeGetTensorImpl();
-    auto it = params_.find(key);
-    if (it == params_.end() || !it->second.passes.count(pass)) return;
-    PassState& ps = it->second.passes[pass];
-    ps.owed = std::max<int64_t>(0, ps.owed - 1);
-    ps.incomplete = true;
-    it->second.dropped += 1;
-    settle(key, pass, firings);
+    for (const auto& param : params) landed_locked(param, pass, firings);
+  }
+  fire(firings);
+}
+
+void GradLedger::landed_locked(const at::Tensor& param, PassId pass, std::vector<Firing>& out) {
+  Key key = param.unsafeGetTensorImpl();
+  auto it = params_.find(key);
+  TORCH_INTERNAL_ASSERT(it != params_.end(),
+                        "GradLedger: a deferred contribution landed that was never expected");
+  auto ps = it->second.passes.find(pass);
+  TORCH_INTERNAL_ASSERT(ps != it->second.passes.end(),
+                        "GradLedger: a deferred contribution landed that was never expected");
+  TORCH_INTERNAL_ASSERT(ps->second.owed > 0,
+                        "GradLedger: more deferred contributions than expected");
+  ps->second.owed -= 1;
+  settle(it, ps, out);
+}
+
+void GradLedger::deferred_dropped(const at::Tensor& param, PassId pass) {
+  deferred_dropped(std::vector<at::Tensor>{param}, pass);
+}
+
+void GradLedger::deferred_dropped(const std::vector<at::Tensor>& params, PassId pass) {
+  std::vector<Firing> firings;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& param : params) {
+      auto it = params_.find(param.unsafeGetTensorImpl());
+      if (it == params_.end()) continue;
+      auto ps = it->second.passes.find(pass);
+      if (ps == it->second.passes.end()) continue;
+      ps->second.owed = std::max<int64_t>(0, ps->second.owed - 1);
+      ps->second.incomplete = true;
+      it->second.dropped += 1;
+      settle(it, ps, firings);
+    }
   }
   fire(firings);
 }
@@ -155,16 +190,24 @@ void GradLedger::autograd_pass_finished(PassId pass) {
 void GradLedger::settle(Key key, PassId pass, std::vector<Firing>& out) {
   auto it = params_.find(key);
   if (it == params_.end()) return;
+  auto ps = it->second.passes.find(pass);
+  if (ps == it->second.passes.end()) return;
+  settle(it, ps, out);
+}
+
+void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
   ParamState& state = it->second;
-  auto ps = state.passes.find(pass);
-  if (ps == state.passes.end() || !ps->second.autograd_done || ps->second.owed > 0) return;
+  if (!ps->second.autograd_done || ps->second.owed > 0) return;
   const bool complete = !ps->second.incomplete;
   state.passes.erase(ps);
-  at::Tensor param(state.impl.lock());
-  if (complete && param.defined() && !state.hooks.empty()) {
-    Firing firing{param, {}};
-    for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
-    out.push_back(std::move(firing));
+  if (complete && !state.hooks.empty()) {
+    at::Tensor param(state.impl.lock());
+    if (param.defined()) {
+      Firing firing{std::move(param), {}};
+      firing.hooks.reserve(state.hooks.size());
+      for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
+      out.push_back(std::move(firing));
+    }
   }
   if (state.passes.empty() && state.hooks.empty() && state.dropped == 0) params_.erase(it);
 }

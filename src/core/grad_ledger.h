@@ -58,6 +58,12 @@ class GradLedger {
   /// A deferred contribution was dropped (failed check, layer deleted): it is no longer owed, but
   /// the gradient of that pass is incomplete, so its hooks do not fire for that pass.
   void deferred_dropped(const at::Tensor& param, PassId pass);
+  /// The three above for each of `params` under one lock (a parameter listed twice counts twice):
+  /// one item's targets at once. Hooks fire after every parameter has been counted.
+  void note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass);
+  void expect_deferred(const std::vector<at::Tensor>& params, PassId pass);
+  void deferred_landed(const std::vector<at::Tensor>& params, PassId pass);
+  void deferred_dropped(const std::vector<at::Tensor>& params, PassId pass);
   /// The autograd part of `pass` is over (its graph task ended). Fires the hooks of every parameter
   /// of that pass that owes nothing more.
   void autograd_pass_finished(PassId pass);
@@ -90,11 +96,17 @@ class GradLedger {
     std::vector<GradReadyHook> hooks;
   };
 
+  using ParamIter = std::unordered_map<Key, ParamState>::iterator;
+  using PassIter = std::unordered_map<PassId, PassState>::iterator;
+
   ParamState& state_for(const at::Tensor& param);               // requires mutex_
   PassState& pass_state(const at::Tensor& param, PassId pass);  // requires mutex_
+  // One deferred contribution of `pass` to `param` landed.
+  void landed_locked(const at::Tensor& param, PassId pass, std::vector<Firing>& out);
   // Collects the hooks to fire for (param, pass) if it owes nothing; erases settled state.
-  void settle(Key key, PassId pass, std::vector<Firing>& out);  // requires mutex_
-  static void fire(std::vector<Firing>& firings);               // runs without the mutex held
+  void settle(Key key, PassId pass, std::vector<Firing>& out);       // requires mutex_
+  void settle(ParamIter it, PassIter ps, std::vector<Firing>& out);  // requires mutex_
+  static void fire(std::vector<Firing>& firings);                    // runs without the mutex held
 
   mutable std::mutex mutex_;
   std::unordered_map<Key, ParamState> params_;

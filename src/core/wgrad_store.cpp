@@ -10,6 +10,7 @@ namespace splitgrad::core {
 std::vector<at::Tensor> DeferredWgrad::targets() const {
   // A frozen weight (requires_grad=False) with a trainable bias leaves `weight` empty.
   std::vector<at::Tensor> out;
+  out.reserve(2 + 2 * groups.size());
   auto add = [&](const WeakTensor& target) {
     at::Tensor param(target.lock());
     if (param.defined()) out.push_back(std::move(param));

@@ -126,6 +126,18 @@ cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, const at::Tenso
   return args;
 }
 
+// The start of each slice along the first dimension of a contiguous `stacked` tensor, by pointer
+// arithmetic (no tensor per slice); none when it has no slices.
+std::vector<const void*> slice_pointers(const at::Tensor& stacked) {
+  std::vector<const void*> pointers;
+  const int64_t count = stacked.numel() == 0 ? 0 : stacked.size(0);
+  pointers.reserve(count);
+  const auto* base = static_cast<const char*>(stacked.data_ptr());
+  const int64_t bytes = count == 0 ? 0 : stacked.stride(0) * stacked.element_size();
+  for (int64_t g = 0; g < count; ++g) pointers.push_back(base + g * bytes);
+  return pointers;
+}
+
 // The group of each row, [rows] int64, from device splits without reading them on the host.
 at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
   const at::Tensor groups = at::arange(splits.numel(), splits.options());
@@ -337,19 +349,12 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
     const at::Tensor weight_grads = at::zeros({groups, out, in}, input.options());
     const at::Tensor bias_sums =
         at::zeros({compute_bias_grad ? groups : 0, out}, input.options().dtype(at::kFloat));
-    std::vector<const void*> targets, bias_targets;
-    for (int64_t g = 0; g < groups; ++g) {
-      targets.push_back(weight_grads[g].data_ptr());
-      if (compute_bias_grad) bias_targets.push_back(bias_sums[g].data_ptr());
-    }
-    if (accumulate_grouped(who, dy, x, splits, targets, CUDA_R_16BF, bias_targets, CUDA_R_32F)) {
-      const at::Tensor bias_grads = bias_sums.to(input.scalar_type());
-      std::vector<at::Tensor> weight_list, bias_list;
-      for (int64_t g = 0; g < groups; ++g) {
-        weight_list.push_back(weight_grads[g]);
-        if (compute_bias_grad) bias_list.push_back(bias_grads[g]);
-      }
-      return {std::move(weight_list), std::move(bias_list)};
+    if (accumulate_grouped(who, dy, x, splits, slice_pointers(weight_grads), CUDA_R_16BF,
+                           slice_pointers(bias_sums), CUDA_R_32F)) {
+      // One unbind each, not a select per group (host time: ~4 tensor ops per expert before).
+      return {weight_grads.unbind(0), compute_bias_grad
+                                          ? bias_sums.to(input.scalar_type()).unbind(0)
+                                          : std::vector<at::Tensor>()};
     }
   }
   const auto splits = host_splits(who, m_splits, x.size(0));

@@ -127,12 +127,12 @@ void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& 
                    " (the weight's), got ", dtype_name(grad_output.scalar_type()));
 }
 
-void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
-                                 const std::optional<at::Tensor>& weight_grad,
-                                 const std::optional<at::Tensor>& bias_grad) {
-  check_wgrad_args(who, grad_output, input);
-  const c10::SymInt out = grad_output.sym_size(-1);
-  const c10::SymInt in = input.sym_size(-1);
+namespace {
+// The accumulation targets for grad_output [*, out] and input [*, in] (checked already), whose
+// device is `device`: weight_grad [out, in], bias_grad [out].
+void check_wgrad_targets(Who who, const c10::SymInt& out, const c10::SymInt& in,
+                         const c10::Device& device, const std::optional<at::Tensor>& weight_grad,
+                         const std::optional<at::Tensor>& bias_grad) {
   if (weight_grad.has_value() && weight_grad->defined()) {
     TORCH_CHECK_VALUE(weight_grad->dim() == 2 && weight_grad->sym_size(0) == out &&
                           weight_grad->sym_size(1) == in,
@@ -141,15 +141,24 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
     TORCH_CHECK_TYPE(at::isFloatingType(weight_grad->scalar_type()), who(),
                      ": expected a floating-point weight_grad, got ",
                      dtype_name(weight_grad->scalar_type()));
-    TORCH_CHECK(weight_grad->device() == input.device(), who(), ": weight_grad on ",
-                weight_grad->device(), " but input on ", input.device());
+    TORCH_CHECK(weight_grad->device() == device, who(), ": weight_grad on ", weight_grad->device(),
+                " but input on ", device);
   }
   if (bias_grad.has_value() && bias_grad->defined()) {
     TORCH_CHECK_VALUE(bias_grad->dim() == 1 && bias_grad->sym_size(0) == out, who(),
                       ": expected bias_grad of shape [", out, "], got ", bias_grad->sym_sizes());
-    TORCH_CHECK(bias_grad->device() == input.device(), who(), ": bias_grad on ",
-                bias_grad->device(), " but input on ", input.device());
+    TORCH_CHECK(bias_grad->device() == device, who(), ": bias_grad on ", bias_grad->device(),
+                " but input on ", device);
   }
+}
+}  // namespace
+
+void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
+                                 const std::optional<at::Tensor>& weight_grad,
+                                 const std::optional<at::Tensor>& bias_grad) {
+  check_wgrad_args(who, grad_output, input);
+  check_wgrad_targets(who, grad_output.sym_size(-1), input.sym_size(-1), input.device(),
+                      weight_grad, bias_grad);
 }
 
 void check_main_grad(Who who, const std::string& param_name, const at::Tensor& main_grad,
@@ -276,12 +285,16 @@ void check_grouped_wgrad_accumulate_args(Who who, const at::Tensor& grad_output,
   const int64_t groups = m_splits.size(0);
   check_group_list_length(who, "weight_grads", weight_grads, groups);
   check_group_list_length(who, "bias_grads", bias_grads, groups);
+  // grad_output and input once (check_grouped_wgrad_args), then each group's targets.
+  const c10::SymInt out = grad_output.sym_size(-1);
+  const c10::SymInt in = input.sym_size(-1);
+  const c10::Device device = input.device();
   for (int64_t i = 0; i < groups; ++i) {
     const std::optional<at::Tensor> w = weight_grads.empty() ? std::nullopt : weight_grads.get(i);
     const std::optional<at::Tensor> b = bias_grads.empty() ? std::nullopt : bias_grads.get(i);
     if ((!w || !w->defined()) && (!b || !b->defined())) continue;
     auto group_who = [&] { return c10::str(who(), " (group ", i, ")"); };
-    check_wgrad_accumulate_args(group_who, grad_output, input, w, b);
+    check_wgrad_targets(group_who, out, in, device, w, b);
   }
 }
 

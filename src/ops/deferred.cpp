@@ -153,13 +153,15 @@ c10::Stream current_stream_of(const at::Tensor& t) {
   return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
 }
 
+namespace {
+std::function<void(const at::Tensor&)> main_grad_accumulated_callback() {
+  std::lock_guard<std::mutex> lock(main_grad_callback().mutex);
+  return main_grad_callback().callback;
+}
+}  // namespace
+
 void notify_main_grad_accumulated(const at::Tensor& param) {
-  std::function<void(const at::Tensor&)> callback;
-  {
-    std::lock_guard<std::mutex> lock(main_grad_callback().mutex);
-    callback = main_grad_callback().callback;
-  }
-  if (callback) callback(param);
+  if (const auto callback = main_grad_accumulated_callback()) callback(param);
 }
 
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
@@ -218,6 +220,7 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
   const size_t groups = sinks.size();
   {
     std::vector<const at::Tensor*> params;
+    params.reserve(2 * groups);
     for (const auto& sink : sinks) {
       params.push_back(&sink.weight);
       params.push_back(&sink.bias);
@@ -226,6 +229,8 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     std::vector<char> weight_to_grad(groups), bias_in_place(groups), bias_value(groups);
     bool any_weight_to_grad = false, any_bias_value = false;
     c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
+    weight_targets.reserve(groups);
+    bias_targets.reserve(groups);
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
@@ -245,36 +250,41 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
                                                              : std::optional(bias_grad));
     }
     std::vector<at::Tensor> fresh_weight, fresh_bias;
-    if (any_weight_to_grad) {
-      std::tie(fresh_weight, fresh_bias) =
-          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
-    } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
-      for (size_t i = 0; i < groups; ++i) {
-        fresh_bias.push_back(bias_value[i]
-                                 ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
-                                 : at::Tensor());
-        if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+    {
+      // Grad mode is off: the grouped op, and the ATen ops it runs per group, skip the autograd
+      // kernels (and the boxed autograd fallback of the op itself). Version counters still move.
+      at::AutoDispatchBelowAutograd below_autograd;
+      if (any_weight_to_grad) {
+        std::tie(fresh_weight, fresh_bias) =
+            ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
+      } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
+        for (size_t i = 0; i < groups; ++i) {
+          fresh_bias.push_back(bias_value[i]
+                                   ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
+                                   : at::Tensor());
+          if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+        }
       }
-    }
-    const bool any_in_place =
-        std::any_of(weight_targets.begin(), weight_targets.end(),
-                    [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
-        std::any_of(bias_targets.begin(), bias_targets.end(),
-                    [](const std::optional<at::Tensor>& t) { return t.has_value(); });
-    if (any_in_place) {
-      ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
-                                            bias_targets);
+      const bool any_in_place =
+          std::any_of(weight_targets.begin(), weight_targets.end(),
+                      [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
+          std::any_of(bias_targets.begin(), bias_targets.end(),
+                      [](const std::optional<at::Tensor>& t) { return t.has_value(); });
+      if (any_in_place) {
+        ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
+                                              bias_targets);
+      }
     }
     for (size_t i = 0; i < groups; ++i) {
       if (weight_to_grad[i]) add_to_grad(sinks[i].weight, fresh_weight[i]);
       if (bias_value[i]) add_to_grad(sinks[i].bias, fresh_bias[i]);
     }
   }
+  const auto callback = main_grad_accumulated_callback();  // read once for all groups
+  if (!callback) return;
   for (const auto& sink : sinks) {
-    if (sink.weight.defined() && sink.weight_main_grad.defined())
-      notify_main_grad_accumulated(sink.weight);
-    if (sink.bias.defined() && sink.bias_main_grad.defined())
-      notify_main_grad_accumulated(sink.bias);
+    if (sink.weight.defined() && sink.weight_main_grad.defined()) callback(sink.weight);
+    if (sink.bias.defined() && sink.bias_main_grad.defined()) callback(sink.bias);
   }
 }
 
@@ -319,7 +329,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   item.pass = pass.id();
   auto& ledger = GradLedger::instance();
   if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
-    for (const auto& target : item.targets()) ledger.note_autograd_contribution(target, pass.id());
+    ledger.note_autograd_contribution(item.targets(), pass.id());
     if (grouped) {
       accumulate_grouped_wgrad(grad_output, input, m_splits, sinks);
     } else {
@@ -334,10 +344,9 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     TORCH_WARN(layer_label(layer),
                " was deleted before its backward pass: its deferred weight "
                "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
-    for (const auto& target : item.targets()) {
-      ledger.expect_deferred(target, pass.id());
-      ledger.deferred_dropped(target, pass.id());
-    }
+    const std::vector<at::Tensor> targets = item.targets();
+    ledger.expect_deferred(targets, pass.id());
+    ledger.deferred_dropped(targets, pass.id());
     return;
   }
   // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
@@ -356,7 +365,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     item.m_splits_version = m_splits._version();
   }
   item.stream = current_stream_of(input);
-  for (const auto& target : item.targets()) ledger.expect_deferred(target, pass.id());
+  ledger.expect_deferred(item.targets(), pass.id());
   WgradStore::instance().push(std::move(item));
 }
 
@@ -420,6 +429,7 @@ class InFlight {
     batch.entries.reserve(items.size());
     for (const auto& item : items) {
       Entry entry{item.layer, item.pass, {}, false};
+      entry.targets.reserve(2 + 2 * item.groups.size());
       for (const auto* target : {&item.weight, &item.bias})
         entry.targets.push_back(target->_unsafe_get_target());
       for (const auto& group : item.groups) {
@@ -616,8 +626,7 @@ void warn_if_freed(const DeferredWgrad& item, const core::WeakTensor& target,
 }
 
 void drop(const DeferredWgrad& item) {
-  for (const auto& target : item.targets())
-    GradLedger::instance().deferred_dropped(target, item.pass);
+  GradLedger::instance().deferred_dropped(item.targets(), item.pass);
 }
 
 // Runs the items of `batch` in order. Items whose stashed tensors changed are dropped and
@@ -642,10 +651,9 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
   }
   // Puts the items after runnable[i] back on the queue: no gradient is lost.
   auto restore_after = [&](size_t i) {
-    in_flight.restore(
-        batch, std::vector<size_t>(index.begin() + i + 1, index.end()),
-        std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
-                                   std::make_move_iterator(runnable.end())));
+    in_flight.restore(batch, std::vector<size_t>(index.begin() + i + 1, index.end()),
+                      std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
+                                                 std::make_move_iterator(runnable.end())));
   };
   if (!error.empty()) {
     in_flight.restore(batch, index, std::move(runnable));
@@ -662,8 +670,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
         const at::Tensor weight(weak_weight.lock()), bias(weak_bias.lock());
         warn_if_freed(item, weak_weight, weight, "weight");
         warn_if_freed(item, weak_bias, bias, "bias");
-        return detail::WgradSinks{weight, bias,
-                                  weight.defined() ? weight_main_grad : at::Tensor(),
+        return detail::WgradSinks{weight, bias, weight.defined() ? weight_main_grad : at::Tensor(),
                                   bias.defined() ? bias_main_grad : at::Tensor()};
       };
       if (item.groups.empty()) {
@@ -673,6 +680,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
           detail::accumulate_wgrad(item.grad_output, item.input, sinks);
       } else {
         std::vector<detail::WgradSinks> sinks;
+        sinks.reserve(item.groups.size());
         for (const auto& group : item.groups) {
           sinks.push_back(
               live_sinks(group.weight, group.bias, group.weight_main_grad, group.bias_main_grad));
@@ -689,19 +697,14 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
     keep_until_read(item);
     const core::PassId pass = item.pass;
     const std::vector<at::Tensor> targets = item.targets();
-    item = DeferredWgrad{};  // free the stashed activations before the hooks run
+    item = DeferredWgrad{};              // free the stashed activations before the hooks run
     in_flight.settled(batch, index[i]);  // landed: hooks see it no longer pending
-    std::exception_ptr hook_error;
-    for (const auto& target : targets) {
-      try {
-        GradLedger::instance().deferred_landed(target, pass);
-      } catch (...) {  // a grad-ready hook threw: still land the other targets
-        if (!hook_error) hook_error = std::current_exception();
-      }
-    }
-    if (hook_error) {  // the items not run yet stay queued
+    try {
+      // Under one ledger lock; every target lands before any hook runs.
+      GradLedger::instance().deferred_landed(targets, pass);
+    } catch (...) {  // a grad-ready hook threw: the items not run yet stay queued
       restore_after(i);
-      std::rethrow_exception(hook_error);
+      throw;
     }
   }
 }
@@ -740,16 +743,17 @@ int64_t LayerHandle::pending() const {
 void LayerHandle::backward_dw() {
   std::vector<DeferredWgrad> items;
   std::vector<uint64_t> others;
-  BatchScope batch{InFlight::instance().take(
-      [&] { return WgradStore::instance().take_oldest_pass(id_); }, items, {id_, std::nullopt},
-      &others)};
+  BatchScope batch{
+      InFlight::instance().take([&] { return WgradStore::instance().take_oldest_pass(id_); }, items,
+                                {id_, std::nullopt}, &others)};
   if (items.empty() && !others.empty()) {
     // Another thread (a backward_dw_all()) took this layer's oldest work: it lands before we
     // return, as if we had run it.
     InFlight::instance().wait_for(others);
     return;
   }
-  TORCH_CHECK(!items.empty() || !InFlight::instance().this_thread_runs(id_), detail::layer_label(id_),
+  TORCH_CHECK(!items.empty() || !InFlight::instance().this_thread_runs(id_),
+              detail::layer_label(id_),
               ": backward_dw() was called while this thread is running this layer's deferred work "
               "(a grad-ready hook calling backward_dw() from inside backward_dw_all()?); that work "
               "lands when the running call reaches it.");

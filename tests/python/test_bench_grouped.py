@@ -42,8 +42,13 @@ def test_tiny_cpu_run_times_every_contender_and_they_agree(tmp_path, capsys):
             # float32 on the CPU: every contender computes the per-expert reference to rounding
             assert all(err < 1e-5 for err in shape[section]["max_rel_err"].values()), (shape["name"], section)
     host = payload["host"]
-    assert set(host["median_us"]) == {"Linear", "GroupedLinear, list splits", "GroupedLinear, device splits"}
-    assert all(us > 0 for us in host["median_us"].values())
+    assert set(host["median_us"]) == {"main_grad", ".grad fresh", ".grad kept"}
+    for per_layer in host["median_us"].values():
+        assert set(per_layer) == {"Linear", "GroupedLinear, list splits", "GroupedLinear, tensor splits"}
+        assert all(us > 0 for us in per_layer.values())
+    assert set(host["op_alone_median_us"]) == set(host["median_us"]["main_grad"])
+    assert all(us > 0 for us in host["op_alone_median_us"].values())
+    assert host["threads"] == 1 and (host["features"], host["tokens"]) == bench.HOST_SIZES["cpu"]
     printed = capsys.readouterr().out
     assert "tiny-8 (8 x 32 -> 16, 256 tokens): splits [" in printed
     assert "(d)/(a)" in printed and "dev / best" in printed and "bias only / sum loop" in printed

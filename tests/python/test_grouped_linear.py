@@ -303,6 +303,29 @@ def test_hooks_once_per_pass_even_without_rows(delay):
         assert sorted(calls) == sorted(names.values()), calls
 
 
+def test_hooks_of_one_item_see_all_of_it_landed_and_a_throwing_hook_stops_none():
+    """backward_dw() lands all of an item's targets under one ledger lock before any hook runs: each
+    hook sees every expert's gradient written and nothing pending; a hook that throws does not keep
+    the others from running, and its error comes out of backward_dw()."""
+    layer = _layer(delay_wgrad_compute=True)
+    params = list(layer.parameters())
+    seen: list[tuple[int, bool]] = []
+
+    def hook(p):
+        # the ledger's count of deferred contributions still owed (what the FSDP wrapper asks)
+        owed = sum(splitgrad._C.pending_wgrads_for(q) for q in params)
+        seen.append((owed, all(q.grad is not None for q in params)))
+        if p is layer.weight0:
+            raise ValueError("hook failed")
+
+    layer.register_wgrad_accumulation_and_reduce_hooks(hook)
+    layer(torch.randn(6, IN), [2, 0, 3, 0, 1]).sum().backward()
+    with pytest.raises(ValueError, match="hook failed"):
+        layer.backward_dw()
+    assert seen == [(0, True)] * len(params)
+    assert splitgrad.pending_wgrads() == 0
+
+
 def test_grad_ready_hook_after_last_contribution_with_tied_linear():
     lin = splitgrad.Linear(IN, OUT, device="cpu", delay_wgrad_compute=True)
     experts = _layer(n=2, delay_wgrad_compute=True, bias=False)
