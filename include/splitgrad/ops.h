@@ -67,8 +67,8 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 ///        computing it in backward
 /// \param input_activation an activation (as for activation()) applied to `input` first: the op
 ///        computes act(input)·Wᵀ + b, and its backward returns the gradient with respect to
-///        `input`. A deferred wgrad then keeps `input` (not act(input)) and recomputes the
-///        activation in backward_dw(), right before its GEMM.
+///        `input`. The backward keeps `input` only (not act(input)): the activation is
+///        recomputed where the wgrad runs — in backward_dw() right before its GEMM when deferred.
 /// \return y, [*, out_features]
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
