@@ -1,8 +1,9 @@
 """What a LayerNormMLP training step holds at its peak, on the CPU: plain PyTorch, splitgrad's
 delayed and immediate module, and two emulations of the delayed path that differ only in what fc2's
 deferred wgrad keeps until ``backward_dw()``: fc2's input (the activation's output, as splitgrad
-does today) or fc1's output (the activation's input, which the backward holds anyway until the
-activation's backward), the activation recomputed from it in ``backward_dw()``.
+did before the activation moved into fc2's op) or fc1's output (the activation's input, which the
+backward holds anyway until the activation's backward), the activation recomputed from it in
+``backward_dw()`` — what splitgrad's module does now (the linear op's ``input_activation``).
 
 Method: a TorchDispatchMode sees every ATen op of the step (forward, backward, ``backward_dw()``,
 including the C++ autograd and deferred runner's ops); each storage an op creates is counted from
@@ -15,10 +16,11 @@ accumulates its GEMMs' gradients into fp32 ``main_grad`` (plain PyTorch by a pos
 hook, as Megatron does) and the norm's into ``main_grad`` by that hook, as the benchmark does.
 Results are in units of fc2's input (tokens x ffn x 2 bytes in bf16).
 
-The emulations (Python autograd Functions, for this measurement only) check themselves: the first
-must hold what splitgrad's delayed module holds, and the recomputed activation must equal the
-forward's bit for bit (same kernels, same input), so a recomputing runner would give the same
-gradients as today's.
+The emulations (Python autograd Functions, for this measurement only) check themselves: splitgrad's
+delayed module must peak no higher than the recomputing one (it can peak lower: its activation
+backward writes a gated gradient's two halves into one result, where autograd makes each half and
+concatenates them), and the recomputed activation must equal the forward's bit for bit (same
+kernels, same input), so the recomputing runner gives the gradients of keeping fc2's input.
 
     python benchmarks/mem_layernorm_mlp.py                      # hidden 512, ffn 1792, 2048 tokens
     python benchmarks/mem_layernorm_mlp.py --activation gelu --normalization LayerNorm
@@ -190,8 +192,8 @@ def measure(hidden: int, ffn: int, tokens: int, act: str = "swiglu", normalizati
             held = mode.live
             backward_dw()
         results[name] = (mode.peak, held, mode.at_peak)
-    # the emulation holds what splitgrad holds
-    assert results[VARIANTS[3]][0] == results[VARIANTS[1]][0], {k: v[:2] for k, v in results.items()}
+    # splitgrad's delayed module recomputes as the second emulation does
+    assert results[VARIANTS[1]][0] <= results[VARIANTS[4]][0], {k: v[:2] for k, v in results.items()}
     return results
 
 

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -64,12 +65,34 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 ///        delay_wgrad_compute must be false)
 /// \param delay_wgrad_compute queue the weight/bias gradient for backward_dw() instead of
 ///        computing it in backward
+/// \param input_activation an activation (as for activation()) applied to `input` first: the op
+///        computes act(input)·Wᵀ + b, and its backward returns the gradient with respect to
+///        `input`. The backward keeps `input` only (not act(input)): the activation is
+///        recomputed where the wgrad runs — in backward_dw() right before its GEMM when deferred.
 /// \return y, [*, out_features]
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& weight_main_grad,
                   const std::optional<at::Tensor>& bias_main_grad, int64_t layer_id,
-                  bool delay_wgrad_compute);
+                  bool delay_wgrad_compute,
+                  std::optional<std::string_view> input_activation = std::nullopt);
+
+/// \name Activations (Transformer Engine's names)
+/// "gelu" (the tanh approximation), "relu", "silu", and the gated "geglu", "reglu", "swiglu",
+/// which compute act(a) * b for input = [a | b] along the last dimension (output: last dim halved).
+/// Throws c10::ValueError for another name or a gated input with an odd last dim, c10::TypeError
+/// for a non-floating input. Not differentiable themselves (linear() uses them in its autograd).
+/// @{
+
+/// act(input), bit-identical to the ATen composite (at::gelu(x, "tanh"), at::relu, at::silu;
+/// act(a) * b for a gated one).
+at::Tensor activation(const at::Tensor& input, std::string_view activation);
+
+/// The gradient with respect to `input` (input's shape) for the gradient `grad_output` of the
+/// activation's output, with the kernels autograd runs for the composite.
+at::Tensor activation_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                               std::string_view activation);
+/// @}
 
 /// \name Grouped linear (MoE experts)
 /// `groups` linear maps over one tensor's rows: rows [offset_i, offset_i + m_splits[i]) of the

@@ -281,18 +281,25 @@ class LayerNormMLP(_NormedModule):
         self._check_forward_args(inp, is_first_microbatch)
         path = self._linear_path(inp)
         ln_out = self._norm(inp, path, self.fc1_weight, "fc1")
-        act, gated = _ACTIVATIONS[self.activation]
         with _typed_errors():
-            hidden = self._apply_linear(path, ln_out, self.fc1_weight, self.fc1_bias, ("fc1_weight", "fc1_bias"),
-                                        gemm="fc1")
-            if gated:
-                gate, value = hidden.chunk(2, dim=-1)
-                hidden = act(gate) * value
-            else:
-                hidden = act(hidden)
+            fc1_out = self._apply_linear(path, ln_out, self.fc1_weight, self.fc1_bias, ("fc1_weight", "fc1_bias"),
+                                         gemm="fc1")
             fc2_bias = None if self.return_bias else self.fc2_bias
-            out = self._apply_linear(path, hidden, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
-                                     gemm="fc2")
+            if path == "functional":  # torch.func differentiates the ATen composite (no C++ autograd there)
+                act, gated = _ACTIVATIONS[self.activation]
+                if gated:
+                    gate, value = fc1_out.chunk(2, dim=-1)
+                    hidden = act(gate) * value
+                else:
+                    hidden = act(fc1_out)
+                out = self._apply_linear(path, hidden, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
+                                         gemm="fc2")
+            else:
+                # The activation inside fc2's op: its deferred wgrad keeps fc1's output (which the
+                # backward holds anyway until the activation's backward) and recomputes the
+                # activation in backward_dw(), instead of holding fc2's input until then.
+                out = self._apply_linear(path, fc1_out, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
+                                         gemm="fc2", activation=self.activation)
         return _outputs(out, self.fc2_bias if self.return_bias else None, self.return_bias,
                         ln_out if self.return_layernorm_output else None)
 

@@ -74,11 +74,11 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
     reason="a splitgrad.Linear with delay_wgrad_compute or fuse_wgrad_accumulation runs eagerly "
     "(a graph break): its deferred work and main_grad accumulation happen outside compiled graphs, "
     "so fullgraph=True cannot include it")
-def _linear_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay):
+def _linear_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay, activation=None):
     # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
     # graph, and a fused layer's gradient must reach main_grad, which a compiled backward (where
     # AOTAutograd returns every gradient to autograd) would bypass: such layers run eagerly.
-    return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay)
+    return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay, activation)
 
 
 def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
@@ -173,10 +173,12 @@ class _DeferredWgradModule(nn.Module):
         return "op"
 
     def _apply_linear(self, path: str, inp, weight, bias, names: tuple[str, str] = ("weight", "bias"),
-                      gemm: str = ""):
+                      gemm: str = "", activation: str | None = None):
         """inp·weightᵀ + bias through splitgrad's linear op, queued under this module's id; ``path``
         from _linear_path(), ``names`` name the parameters in messages, and ``gemm`` the GEMM in a
-        module with several ("fc1": "splitgrad layer 'mlp' (fc1): ...")."""
+        module with several ("fc1": "splitgrad layer 'mlp' (fc1): ..."). ``activation``: the op's
+        input_activation (act(inp)·weightᵀ + bias, a deferred wgrad keeping ``inp``); not on the
+        functional path, where the caller applies the activation."""
         weight_main_grad = bias_main_grad = None
         # export records an unfused call; functional gradients are returned, not accumulated
         if self.fuse_wgrad_accumulation and path not in ("export", "functional"):
@@ -188,13 +190,14 @@ class _DeferredWgradModule(nn.Module):
             # casts a floating input to its dtype before the product.
             cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
             _C.check_gemm_args(self._layer_id, gemm, inp, weight, bias, weight_main_grad, bias_main_grad, *names,
-                               inp.dtype if cast else None)
+                               inp.dtype if cast else None, activation)
         if path in ("export", "trace"):
             # A graph meant to outlive this process records a regular, unfused call under no
             # layer id (0): it depends on no process-local registration, and its gradients go to
             # .grad at once.
-            return _linear_op(inp, weight, bias, None, None, 0, False)
+            return _linear_op(inp, weight, bias, None, None, 0, False, activation)
         if path == "functional":  # nn.Linear's own differentiable op
+            assert activation is None, "the functional path applies the activation outside"
             if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(weight).requires_grad:
                 warnings.warn(
                     f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "
@@ -206,8 +209,10 @@ class _DeferredWgradModule(nn.Module):
         if path == "compile" and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
             return _linear_outside_graph(
                 inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute,
+                activation,
             )
-        return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute)
+        return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute,
+                          activation)
 
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its

@@ -1,11 +1,8 @@
 #include "splitgrad/layernorm.h"
 
 #include <ATen/autocast_mode.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/layer_norm.h>
-#include <ATen/ops/relu.h>
 #include <ATen/ops/rms_norm.h>
-#include <ATen/ops/silu.h>
 
 #include <algorithm>
 #include <array>
@@ -86,29 +83,12 @@ torch::Tensor normalize(const torch::Tensor& input, const std::string& normaliza
   return norm(input.to(at::kFloat), gamma, beta).to(input.scalar_type());
 }
 
-bool gated(const std::string& activation) {
-  return activation == "geglu" || activation == "reglu" || activation == "swiglu";
-}
-
 void check_activation(const std::string& activation) {
   static const std::array<const char*, 6> names{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
   TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), activation) != names.end(),
                     "splitgrad::LayerNormMLP: expected activation \"gelu\", \"relu\", \"silu\", "
                     "\"geglu\", \"reglu\" or \"swiglu\", got \"",
                     activation, "\"");
-}
-
-// TE's activations: "gelu" is the tanh approximation; a gated one computes act(a) * b for
-// x = [a | b] along the last dimension.
-torch::Tensor activate(const std::string& activation, const torch::Tensor& x) {
-  auto act = [&](const torch::Tensor& t) {
-    if (activation == "gelu" || activation == "geglu") return at::gelu(t, "tanh");
-    if (activation == "relu" || activation == "reglu") return at::relu(t);
-    return at::silu(t);
-  };
-  if (!gated(activation)) return act(x);
-  const auto halves = x.chunk(2, /*dim=*/-1);
-  return act(halves[0]) * halves[1];
 }
 
 // Checks a tie and sets the member named `name` among `members` to `tied` (the caller updates
@@ -268,7 +248,7 @@ void LayerNormMLPImpl::reset() {
           .dtype(detail::module_dtype("splitgrad::LayerNormMLP", options.params_dtype()))
           .device(detail::module_device(options.device()));
   const int64_t hidden = options.hidden_size(), ffn = options.ffn_hidden_size();
-  const int64_t fc1_out = gated(options.activation()) ? 2 * ffn : ffn;
+  const int64_t fc1_out = detail::is_gated_activation(options.activation()) ? 2 * ffn : ffn;
   register_norm(*this, hidden, options.normalization(), tensor_options, layer_norm_weight,
                 layer_norm_bias);
   // TE's order: fc1_weight, fc1_bias, fc2_weight, fc2_bias.
@@ -307,8 +287,10 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernor
   torch::Tensor ln_out = normalize(input, options.normalization(), layer_norm_weight,
                                    layer_norm_bias, options.eps(), options.zero_centered_gamma());
   // Both GEMMs queue under this module's id: one backward_dw() runs a pass's fc2 and fc1 work.
+  // `activation`: x is the activation's input, applied inside the op (fc2's deferred wgrad keeps
+  // fc1's output and recomputes the activation in backward_dw(), instead of keeping its output).
   auto gemm = [&](const char* name, const torch::Tensor& x, const torch::Tensor& weight,
-                  const torch::Tensor& bias) {
+                  const torch::Tensor& bias, std::optional<std::string_view> activation) {
     const std::string weight_name = c10::str(name, "_weight"), bias_name = c10::str(name, "_bias");
     OptTensor weight_main_grad, bias_main_grad;
     if (options.fuse_wgrad_accumulation()) {
@@ -319,14 +301,15 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernor
     const bool autocast =
         x.is_floating_point() && at::autocast::is_autocast_enabled(x.device().type());
     detail::check_gemm_args(
-        [&] { return detail::layer_label(layer_->id(), name); }, x, weight,
+        [&] { return detail::layer_label(layer_->id(), name); },
+        activation ? detail::activation_output_view(x, std::string(*activation)) : x, weight,
         optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
         autocast ? std::optional<at::ScalarType>(x.scalar_type()) : std::nullopt);
     return ops::linear(x, weight, optional_if_defined(bias), weight_main_grad, bias_main_grad,
-                       layer_->id(), options.delay_wgrad_compute());
+                       layer_->id(), options.delay_wgrad_compute(), activation);
   };
-  torch::Tensor hidden = activate(options.activation(), gemm("fc1", ln_out, fc1_weight, fc1_bias));
-  torch::Tensor out = gemm("fc2", hidden, fc2_weight, fc2_bias);
+  torch::Tensor fc1_out = gemm("fc1", ln_out, fc1_weight, fc1_bias, std::nullopt);
+  torch::Tensor out = gemm("fc2", fc1_out, fc2_weight, fc2_bias, options.activation());
   return {out, ln_out};
 }
 

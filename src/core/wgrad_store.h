@@ -40,6 +40,9 @@ struct DeferredWgrad {
   uint64_t seq = 0;                  ///< global queue order, set by WgradStore::push
   at::Tensor input;                  ///< x, [tokens, in_features]
   at::Tensor grad_output;            ///< dy, [tokens, out_features]
+  /// When set, `input` is the activation's input h and x = activation(h) is recomputed right
+  /// before the GEMM. The store does not interpret it (the ops layer names its activations).
+  std::string input_activation;
   uint32_t input_version = 0;        ///< x's version counter when stashed
   uint32_t grad_output_version = 0;  ///< dy's version counter when stashed
   /// The parameters the gradient belongs to (the bias: none when there is no bias gradient),

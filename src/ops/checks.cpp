@@ -3,6 +3,9 @@
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
+#include <algorithm>
+#include <array>
+
 namespace splitgrad::detail {
 
 at::Tensor flatten_tokens(const at::Tensor& t) {
@@ -99,6 +102,49 @@ void check_gemm_args(Who who, const at::Tensor& input, const at::Tensor& weight,
   if (bias_main_grad.has_value() && bias.has_value() && bias->defined()) {
     check_main_grad(who, bias_name, *bias_main_grad, *bias);
   }
+}
+
+bool is_gated_activation(const std::string& activation) {
+  return activation == "geglu" || activation == "reglu" || activation == "swiglu";
+}
+
+void check_activation_args(Who who, const at::Tensor& input, const std::string& activation) {
+  static const std::array<const char*, 6> names{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
+  TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), activation) != names.end(), who(),
+                    ": expected activation \"gelu\", \"relu\", \"silu\", \"geglu\", \"reglu\" or "
+                    "\"swiglu\", got \"",
+                    activation, "\"");
+  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()), who(),
+                   ": expected a floating-point input to activation \"", activation, "\", got ",
+                   dtype_name(input.scalar_type()));
+  TORCH_CHECK_VALUE(input.dim() >= 1, who(),
+                    ": expected an input of shape [*, features] for "
+                    "activation \"",
+                    activation, "\", got a scalar");
+  TORCH_CHECK_VALUE(!is_gated_activation(activation) || input.sym_size(-1) % 2 == 0, who(),
+                    ": the gated activation \"", activation,
+                    "\" expects an even last dimension (the halves [a | b]), got shape ",
+                    input.sym_sizes());
+}
+
+void check_activation_backward_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
+                                    const std::string& activation) {
+  check_activation_args(who, input, activation);
+  const at::Tensor output_like = activation_output_view(input, activation);
+  const c10::SymIntArrayRef out_shape = output_like.sym_sizes();
+  TORCH_CHECK_VALUE(grad_output.sym_sizes() == out_shape, who(), ": expected grad_output of shape ",
+                    out_shape, " (the activation's output for input ", input.sym_sizes(), "), got ",
+                    grad_output.sym_sizes());
+  TORCH_CHECK_TYPE(grad_output.scalar_type() == input.scalar_type(), who(),
+                   ": expected grad_output of dtype ", dtype_name(input.scalar_type()),
+                   " (the input's), got ", dtype_name(grad_output.scalar_type()));
+  TORCH_CHECK(grad_output.device() == input.device(), who(), ": grad_output on ",
+              grad_output.device(), " but input on ", input.device());
+}
+
+at::Tensor activation_output_view(const at::Tensor& input, const std::string& activation) {
+  if (!is_gated_activation(activation)) return input;
+  return input.narrow_symint(-1, 0, input.sym_size(-1) / 2);
 }
 
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input) {

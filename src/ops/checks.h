@@ -51,6 +51,19 @@ void check_gemm_args(Who who, const at::Tensor& input, const at::Tensor& weight,
                      const std::string& weight_name, const std::string& bias_name,
                      std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
+/// TE's activation names: "gelu" (tanh approximation), "relu", "silu", and the gated "geglu",
+/// "reglu", "swiglu" (act(a) * b for input [a | b] along the last dimension).
+bool is_gated_activation(const std::string& activation);
+/// `activation` one of those six, input floating-point with at least one dimension, and a gated
+/// activation's last dimension even.
+void check_activation_args(Who who, const at::Tensor& input, const std::string& activation);
+/// check_activation_args, and grad_output shaped as the activation's output, of input's dtype and
+/// device.
+void check_activation_backward_args(Who who, const at::Tensor& grad_output, const at::Tensor& input,
+                                    const std::string& activation);
+/// A tensor shaped as the activation's output, without computing it: `input` itself, or for a
+/// gated activation its first half (a view). For the checks of the GEMM that consumes the output.
+at::Tensor activation_output_view(const at::Tensor& input, const std::string& activation);
 /// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input);
 

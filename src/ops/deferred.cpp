@@ -309,8 +309,11 @@ bool is_traced(const at::Tensor& t) {
 
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
-                         const std::vector<WgradSinks>& sinks, const char* module) {
+                         const std::vector<WgradSinks>& sinks, const char* module,
+                         const std::string& input_activation) {
   const bool grouped = m_splits.defined();
+  TORCH_INTERNAL_ASSERT(input_activation.empty() || (delay && !grouped),
+                        "an input activation is recomputed by deferred linear work only");
   DeferredWgrad item;
   item.layer = layer;
   if (grouped) {
@@ -357,6 +360,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
               "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. ",
               module, " runs delayed layers outside compiled graphs; call the op eagerly.");
   item.input = input;
+  item.input_activation = input_activation;
   item.grad_output = grad_output;
   item.input_version = input._version();
   item.grad_output_version = grad_output._version();
@@ -676,8 +680,14 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
       if (item.groups.empty()) {
         const detail::WgradSinks sinks =
             live_sinks(item.weight, item.bias, item.weight_main_grad, item.bias_main_grad);
-        if (sinks.weight.defined() || sinks.bias.defined())
-          detail::accumulate_wgrad(item.grad_output, item.input, sinks);
+        if (sinks.weight.defined() || sinks.bias.defined()) {
+          // The GEMM's input, recomputed from the stashed activation input only now and freed
+          // right after the GEMM (the same kernels on the same tensor: the forward's bit for bit).
+          const at::Tensor input = item.input_activation.empty()
+                                       ? item.input
+                                       : ops::activation(item.input, item.input_activation);
+          detail::accumulate_wgrad(item.grad_output, input, sinks);
+        }
       } else {
         std::vector<detail::WgradSinks> sinks;
         sinks.reserve(item.groups.size());

@@ -90,10 +90,13 @@ bool is_traced(const at::Tensor& t);
 /// (accumulate_wgrad / accumulate_grouped_wgrad; the ledger counts them as this pass's own); with
 /// it, queued as one item of the store for backward_dw(), or, where the layer was deleted since its
 /// forward, dropped with a warning. `module` ("splitgrad.Linear") is named in the refusal to queue
-/// tracing placeholders.
+/// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
+/// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
+/// GEMM.
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
-                         const std::vector<WgradSinks>& sinks, const char* module);
+                         const std::vector<WgradSinks>& sinks, const char* module,
+                         const std::string& input_activation = std::string());
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);

@@ -37,6 +37,20 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
                                       grad_output, input, weight_grad, bias_grad);
 }
 
+at::Tensor activation(const at::Tensor& input, c10::string_view activation) {
+  const std::string name(activation);
+  detail::check_activation_args(detail::named("splitgrad::activation"), input, name);
+  return at::empty_symint(detail::activation_output_view(input, name).sym_sizes(), input.options());
+}
+
+at::Tensor activation_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                               c10::string_view activation) {
+  const std::string name(activation);
+  detail::check_activation_backward_args(detail::named("splitgrad::activation_backward"),
+                                         grad_output, input, name);
+  return at::empty_symint(input.sym_sizes(), input.options());
+}
+
 // Grouped: the splits' values are data, which fake tensors have not; their dtype, shape and device
 // are checked, and the output shapes depend on the number of groups only.
 using OptTensorList = c10::List<std::optional<at::Tensor>>;
@@ -81,6 +95,8 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
 }  // namespace
 
 TORCH_LIBRARY_IMPL(splitgrad, Meta, m) {
+  m.impl("activation", &activation);
+  m.impl("activation_backward", &activation_backward);
   m.impl("grouped_linear_fprop", &grouped_linear_fprop);
   m.impl("grouped_linear_dgrad", &grouped_linear_dgrad);
   m.impl("grouped_linear_wgrad", &grouped_linear_wgrad);

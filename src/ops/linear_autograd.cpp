@@ -6,6 +6,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "aten/activation_aten.h"
 #include "ops/checks.h"
 #include "ops/deferred_internal.h"
 #include "splitgrad/ops.h"
@@ -16,17 +17,22 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
+using OptActivation = std::optional<c10::string_view>;
 
 at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 
+// With an input activation, `input` is the activation's input: checked as such, and the GEMM's
+// checks see a tensor shaped as the activation's output.
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
                       const at::Tensor& weight, const OptTensor& bias,
                       const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
-                      std::optional<at::ScalarType> compute_dtype) {
+                      std::optional<at::ScalarType> compute_dtype, const std::string& activation) {
   auto who = [&] {
     return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear");
   };
-  check_linear_args(who, input, weight, bias, compute_dtype);
+  if (!activation.empty()) check_activation_args(who, input, activation);
+  check_linear_args(who, activation.empty() ? input : activation_output_view(input, activation),
+                    weight, bias, compute_dtype);
   if (weight_main_grad.has_value()) check_main_grad(who, "weight", *weight_main_grad, weight);
   if (bias_main_grad.has_value()) {
     TORCH_CHECK_VALUE(bias.has_value() && bias->defined(), who(),
@@ -49,15 +55,30 @@ at::Tensor fprop(const at::Tensor& input, const at::Tensor& weight, const OptTen
   return ops::linear_fprop(input, in_compute_dtype(weight, compute_dtype), bias_now);
 }
 
+std::string activation_name(const OptActivation& activation) {
+  return activation.has_value() ? std::string(*activation) : std::string();
+}
+
+// With an input activation, `input` is h and the GEMM's input a = act(h). The backward needs h
+// (for the activation's gradient) and a (for the wgrad); only h is saved, and a is recomputed where
+// a wgrad runs (in backward_dw() right before its GEMM, or in the backward). Saving a too would
+// hold it through the activation's backward in this one node (plain autograd frees it after fc2's
+// node, before the activation's): a peak above plain PyTorch's in immediate mode, and in delayed
+// mode fc2's input held from the backward until backward_dw().
 class LinearFunction : public torch::autograd::Function<LinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const OptTensor& bias, const OptTensor& weight_main_grad,
-                            const OptTensor& bias_main_grad, int64_t layer_id, bool delay) {
+                            const OptTensor& bias_main_grad, int64_t layer_id, bool delay,
+                            const OptActivation& input_activation) {
     const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
+    const std::string activation = activation_name(input_activation);
     check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad,
-                     compute_dtype);
+                     compute_dtype, activation);
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const at::Tensor gemm_input = activation.empty() ? input : ops::activation(input, activation);
     ctx->save_for_backward({input, weight});
+    ctx->saved_data["activation"] = activation;
     // The parameters themselves, for the gradient sinks: saved tensors may come back as other
     // tensors (activation checkpointing's saved-tensor hooks return recomputed copies), and a
     // gradient added to a copy's .grad would be lost.
@@ -68,8 +89,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
     if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return fprop(input, weight, bias, compute_dtype);
+    return fprop(gemm_input, weight, bias, compute_dtype);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -84,7 +104,12 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
     const bool delay = ctx->saved_data["delay"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
-    variable_list grads(7);  // one per forward argument
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
+    // The GEMM's input: the input, or act(input) recomputed (the forward's bit for bit).
+    auto gemm_input = [&]() -> at::Tensor {
+      return activation.empty() ? input : ops::activation(input, activation);
+    };
+    variable_list grads(8);  // one per forward argument
     if (!grad_output.defined()) return grads;
     // needs_input_grad is false for a parameter frozen at the forward (no edge to it) and for one
     // this pass does not ask for (autograd.grad or backward(inputs=...) without it).
@@ -101,14 +126,24 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
           (weight_wanted && weight_main_grad.defined()) ||
               (bias_wanted && bias_main_grad.defined()));
       const at::Tensor dy = flatten_tokens(grad_output);
-      if (ctx->needs_input_grad(0))
+      if (ctx->needs_input_grad(0)) {
         grads[0] = at::matmul(grad_output, in_compute_dtype(weight, compute_dtype));
-      if (weight_wanted) grads[1] = at::mm(dy.t(), flatten_tokens(input));
+        if (!activation.empty()) {
+          grads[0] = aten_backend::activation_backward_differentiable(grads[0], input, activation);
+        }
+      }
+      if (weight_wanted) {
+        const at::Tensor x =
+            activation.empty() ? input : aten_backend::activation_differentiable(input, activation);
+        grads[1] = at::mm(dy.t(), flatten_tokens(x));
+      }
       if (bias_wanted) grads[2] = dy.sum(0);
       return grads;
     }
-    if (ctx->needs_input_grad(0))
+    if (ctx->needs_input_grad(0)) {
       grads[0] = ops::linear_dgrad(grad_output, in_compute_dtype(weight, compute_dtype));
+      if (!activation.empty()) grads[0] = ops::activation_backward(grads[0], input, activation);
+    }
     if (!weight_wanted && !bias_wanted) return grads;
 
     // Only a gradient this pass adds to a parameter's .grad may be deferred or fused. A computed
@@ -121,44 +156,50 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const bool fused =
         (weight_sink && weight_main_grad.defined()) || (bias_sink && bias_main_grad.defined());
     if (!delay && !fused) {  // the regular path: autograd accumulates, exactly as for nn.Linear
-      auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, input, bias_wanted);
+      auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, gemm_input(), bias_wanted);
       if (weight_wanted) grads[1] = weight_grad;
       if (bias_wanted) grads[2] = bias_grad;
       return grads;
     }
     if ((weight_wanted && !weight_sink) || (bias_wanted && !bias_sink)) {
       auto [weight_grad, bias_grad] =
-          ops::linear_wgrad(grad_output, input, bias_wanted && !bias_sink);
+          ops::linear_wgrad(grad_output, gemm_input(), bias_wanted && !bias_sink);
       if (weight_wanted && !weight_sink) grads[1] = weight_grad;
       if (bias_wanted && !bias_sink) grads[2] = bias_grad;
     }
     if (!weight_sink && !bias_sink) return grads;
+    // Deferred: the activation's input is stashed, the activation recomputed by backward_dw().
+    const bool defer_activation = delay && !activation.empty();
     accumulate_or_defer(
-        layer, delay, grad_output, input, /*m_splits=*/at::Tensor(),
+        layer, delay, grad_output, defer_activation ? input : gemm_input(),
+        /*m_splits=*/at::Tensor(),
         {{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
           weight_sink ? weight_main_grad : at::Tensor(),
           bias_sink ? bias_main_grad : at::Tensor()}},
-        "splitgrad.Linear");
+        "splitgrad.Linear", defer_activation ? activation : std::string());
     return grads;
   }
 };
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                            const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
-                           int64_t layer_id, bool delay_wgrad_compute) {
+                           int64_t layer_id, bool delay_wgrad_compute,
+                           OptActivation input_activation) {
   return LinearFunction::apply(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                               delay_wgrad_compute);
+                               delay_wgrad_compute, input_activation);
 }
 
 // Below autograd (inference mode, tracing): the forward alone.
 at::Tensor linear_forward_only(const at::Tensor& input, const at::Tensor& weight,
                                const OptTensor& bias, const OptTensor& weight_main_grad,
                                const OptTensor& bias_main_grad, int64_t layer_id,
-                               bool delay_wgrad_compute) {
+                               bool delay_wgrad_compute, OptActivation input_activation) {
   const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
+  const std::string activation = activation_name(input_activation);
   check_layer_args(layer_id, delay_wgrad_compute, input, weight, bias, weight_main_grad,
-                   bias_main_grad, compute_dtype);
-  return fprop(input, weight, bias, compute_dtype);
+                   bias_main_grad, compute_dtype, activation);
+  return fprop(activation.empty() ? input : ops::activation(input, activation), weight, bias,
+               compute_dtype);
 }
 
 }  // namespace

@@ -42,12 +42,26 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                   const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
-                  int64_t layer_id, bool delay_wgrad_compute) {
+                  int64_t layer_id, bool delay_wgrad_compute,
+                  std::optional<std::string_view> input_activation) {
   static auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                    const OptTensor&, int64_t, bool)>("splitgrad::linear");
+                    const OptTensor&, int64_t, bool, std::optional<c10::string_view>)>(
+          "splitgrad::linear");
   return handle.call(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                     delay_wgrad_compute);
+                     delay_wgrad_compute, input_activation);
+}
+
+at::Tensor activation(const at::Tensor& input, std::string_view activation) {
+  static auto handle = op<at::Tensor(const at::Tensor&, c10::string_view)>("splitgrad::activation");
+  return handle.call(input, activation);
+}
+
+at::Tensor activation_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                               std::string_view activation) {
+  static auto handle = op<at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view)>(
+      "splitgrad::activation_backward");
+  return handle.call(grad_output, input, activation);
 }
 
 using OptTensorList = c10::List<std::optional<at::Tensor>>;

@@ -13,7 +13,13 @@ TORCH_LIBRARY(splitgrad, m) {
       "Tensor(b!)? bias_grad) -> ()");
   m.def(
       "linear(Tensor input, Tensor weight, Tensor? bias, Tensor? weight_main_grad, "
-      "Tensor? bias_main_grad, int layer_id, bool delay_wgrad_compute) -> Tensor");
+      "Tensor? bias_main_grad, int layer_id, bool delay_wgrad_compute, "
+      "str? input_activation=None) -> Tensor");
+  // TE's activations ("gelu" tanh-approximated, "relu", "silu"; gated "geglu", "reglu", "swiglu":
+  // act(a) * b for input [a | b] along the last dim). activation_backward returns the gradient
+  // with respect to `input`. linear's input_activation applies one to its input first.
+  m.def("activation(Tensor input, str activation) -> Tensor");
+  m.def("activation_backward(Tensor grad_output, Tensor input, str activation) -> Tensor");
   // Grouped (MoE experts): rows [offset_i, offset_i + m_splits[i]) go through group i. The splits
   // are an int64 tensor, so a router's counts on the device need no host copy to be passed on.
   m.def(

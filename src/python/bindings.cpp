@@ -132,8 +132,9 @@ PYBIND11_MODULE(_C, m) {
       [](int64_t layer_id, const at::Tensor& input, const at::Tensor& weight,
          const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> compute_dtype) {
         HANDLE_TH_ERRORS
-        splitgrad::detail::check_linear_args([&] { return splitgrad::detail::layer_label(layer_id); },
-                                             input, weight, bias, compute_dtype);
+        splitgrad::detail::check_linear_args(
+            [&] { return splitgrad::detail::layer_label(layer_id); }, input, weight, bias,
+            compute_dtype);
         END_HANDLE_TH_ERRORS_PYBIND
       },
       py::arg("layer_id"), py::arg("input"), py::arg("weight"), py::arg("bias"),
@@ -145,18 +146,27 @@ PYBIND11_MODULE(_C, m) {
          const at::Tensor& weight, const std::optional<at::Tensor>& bias,
          const std::optional<at::Tensor>& weight_main_grad,
          const std::optional<at::Tensor>& bias_main_grad, const std::string& weight_name,
-         const std::string& bias_name, std::optional<at::ScalarType> compute_dtype) {
+         const std::string& bias_name, std::optional<at::ScalarType> compute_dtype,
+         const std::optional<std::string>& input_activation) {
         HANDLE_TH_ERRORS
+        auto who = [&] { return splitgrad::detail::layer_label(layer_id, gemm); };
+        if (input_activation.has_value())
+          splitgrad::detail::check_activation_args(who, input, *input_activation);
         splitgrad::detail::check_gemm_args(
-            [&] { return splitgrad::detail::layer_label(layer_id, gemm); }, input, weight, bias,
-            weight_main_grad, bias_main_grad, weight_name, bias_name, compute_dtype);
+            who,
+            input_activation.has_value()
+                ? splitgrad::detail::activation_output_view(input, *input_activation)
+                : input,
+            weight, bias, weight_main_grad, bias_main_grad, weight_name, bias_name, compute_dtype);
         END_HANDLE_TH_ERRORS_PYBIND
       },
       py::arg("layer_id"), py::arg("gemm"), py::arg("input"), py::arg("weight"), py::arg("bias"),
       py::arg("weight_main_grad"), py::arg("bias_main_grad"), py::arg("weight_name"),
       py::arg("bias_name"), py::arg("compute_dtype") = std::nullopt,
+      py::arg("input_activation") = std::nullopt,
       "The op's checks of one GEMM of a module, in messages naming the module and the GEMM "
-      "(\"splitgrad layer 'mlp' (fc2)\") and its parameters.");
+      "(\"splitgrad layer 'mlp' (fc2)\") and its parameters; with input_activation, `input` is "
+      "that activation's input (as for the linear op).");
   m.def(
       "register_grad_ready_hook",
       [](const at::Tensor& param, py::function fn) {

@@ -266,6 +266,56 @@ TEST(LayerNormMLP, DelayedEqualsImmediateBitForBitInBf16) {
   }
 }
 
+// The activation ops and linear's input_activation, for C++ callers: the ATen composite's values
+// bit for bit, and fc2's deferred wgrad (which keeps fc1's output and recomputes the activation)
+// equal to the immediate one.
+TEST(ActivationOps, MatchTheCompositeAndItsAutograd) {
+  for (const auto& name : kActivations) {
+    SCOPED_TRACE(name);
+    for (auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16, torch::kHalf}) {
+      const bool gated = name == "geglu" || name == "reglu" || name == "swiglu";
+      auto x = (torch::randn({5, gated ? 8 : 4}) * 2).to(dtype).requires_grad_();
+      auto dy = torch::randn({5, 4}).to(dtype);
+      auto want = ref_activation(name, x);
+      want.backward(dy);
+      EXPECT_TRUE(Bitwise(splitgrad::ops::activation(x.detach(), name), want.detach()));
+      EXPECT_TRUE(Bitwise(splitgrad::ops::activation_backward(dy, x.detach(), name), x.grad()));
+    }
+  }
+  EXPECT_NE(error_message([] {
+              splitgrad::ops::activation(torch::randn({2, 3}), "swiglu");
+            }).find("even last dimension"),
+            std::string::npos);
+  EXPECT_NE(error_message([] {
+              splitgrad::ops::activation(torch::randn({2, 4}), "elu");
+            }).find("got \"elu\""),
+            std::string::npos);
+}
+
+TEST(ActivationOps, LinearInputActivationDeferredEqualsImmediate) {
+  auto h = torch::randn({6, 2 * kFfn});
+  auto w = torch::randn({kOut, kFfn}), dy = torch::randn({6, kOut});
+  std::vector<torch::Tensor> grads;
+  for (bool delay : {false, true}) {
+    splitgrad::LayerHandle layer("fc2");
+    auto weight = w.clone().requires_grad_();
+    auto x = h.clone().requires_grad_();
+    splitgrad::ops::linear(x, weight, std::nullopt, std::nullopt, std::nullopt, layer.id(), delay,
+                           "swiglu")
+        .backward(dy);
+    EXPECT_EQ(layer.pending(), delay ? 1 : 0);
+    if (delay) layer.backward_dw();
+    grads.push_back(weight.grad());
+    grads.push_back(x.grad());
+  }
+  auto x = h.clone().requires_grad_();
+  auto weight = w.clone().requires_grad_();
+  F::linear(ref_activation("swiglu", x), weight).backward(dy);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    EXPECT_TRUE(Bitwise(grads[i], i % 2 == 0 ? weight.grad() : x.grad())) << i;
+  }
+}
+
 TEST(LayerNormLinear, TiedWeightAndNormWeightAccumulateEveryContribution) {
   LayerNormLinear a(LayerNormLinearOptions(kHidden, kOut).delay_wgrad_compute(true));
   LayerNormLinear b(LayerNormLinearOptions(kHidden, kOut).delay_wgrad_compute(true));

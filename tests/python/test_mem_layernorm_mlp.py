@@ -1,7 +1,8 @@
 """benchmarks/mem_layernorm_mlp.py at a small size on the CPU: what it reports about the delayed
-LayerNormMLP's peak (BENCHMARKS.md) stays true — the delayed module holds exactly fc2's input
-more than plain PyTorch at the peak, and keeping fc1's output (recomputing the activation in
-backward_dw) instead brings the peak back to plain's / the immediate module's."""
+LayerNormMLP's peak (BENCHMARKS.md) stays true — keeping fc2's input for its deferred wgrad would
+hold exactly that input more than recomputing it from fc1's output, and splitgrad's delayed module,
+which keeps fc1's output and recomputes the activation in backward_dw(), peaks no higher than plain
+PyTorch nor than the recomputing emulation (as the immediate module)."""
 
 from __future__ import annotations
 
@@ -25,16 +26,20 @@ def mem():
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_delayed_holds_fc2s_input_more_and_recompute_removes_it(mem, activation):
+def test_delayed_module_keeps_fc1s_output_and_peaks_no_higher_than_plain(mem, activation):
     hidden, ffn, tokens = 64, 224, 256
     unit = tokens * ffn * 2  # fc2's input in bf16
     peaks = {name: peak for name, (peak, _, _) in
              mem.measure(hidden, ffn, tokens, activation, "LayerNorm", torch.bfloat16).items()}
-    plain, delayed, immediate, _, recompute = (peaks[name] for name in mem.VARIANTS)
+    plain, delayed, immediate, keeps_input, recompute = (peaks[name] for name in mem.VARIANTS)
     slack = unit // 20  # the norm's statistics, bias gradients: small next to a unit
-    assert abs(delayed - immediate - unit) <= slack, peaks
-    assert abs(recompute - immediate) <= slack, peaks
-    assert immediate <= plain + slack, peaks
+    assert abs(keeps_input - recompute - unit) <= slack, peaks  # what keeping fc2's input costs
+    assert delayed <= plain + slack and delayed <= recompute + slack, peaks
+    assert abs(delayed - immediate) <= slack, peaks
+    if activation == "gelu":  # no gated gradient to assemble: the emulation's peak exactly
+        assert abs(delayed - recompute) <= slack, peaks
+    else:  # SwiGLU's gradient written in halves into one result, not made twice and concatenated
+        assert abs(recompute - delayed - unit) <= slack, peaks
 
 
 def test_cli_prints_the_table(mem, capsys):
