@@ -4,7 +4,8 @@
 //   forward   reads a and b once, writes y once
 //   backward  reads grad, a and b once, writes both halves of d input once
 // Everything else (the plain "gelu", "relu", "silu", other dtypes, non-contiguous tensors) runs the
-// ATen composite the kernels replace (aten_composite_activation*).
+// ATen composite the kernels replace (src/aten/activation_aten.cpp). Both check their arguments
+// with the same detail::check_activation_args, so the errors are one set.
 //
 // Numerics: the results are bit-identical to that composite and to torch.autograd of it, because
 // LayerNormMLP's recomputed forward and its delayed and immediate gradients are compared bit for
@@ -30,7 +31,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "aten/activation_aten.h"
 #include "cuda/float_convert.cuh"
+#include "ops/checks.h"
 
 namespace splitgrad::cuda_backend {
 namespace {
@@ -45,64 +48,12 @@ struct Activation {
   bool gated;
 };
 
-// TE's names.
+// The name, checked already (detail::check_activation_args).
 Activation parse_activation(c10::string_view name) {
-  if (name == "gelu") return {Act::kGelu, false};
-  if (name == "relu") return {Act::kRelu, false};
-  if (name == "silu") return {Act::kSilu, false};
-  if (name == "geglu") return {Act::kGelu, true};
-  if (name == "reglu") return {Act::kRelu, true};
-  if (name == "swiglu") return {Act::kSilu, true};
-  C10_THROW_ERROR(ValueError,
-                  c10::str("splitgrad activation: unknown activation '", std::string(name),
-                           "'; expected one of gelu, relu, silu, geglu, reglu, swiglu"));
-}
-
-// ---- The ATen composite (the reference the kernels reproduce, and the path for what they do
-// not take). src/aten/activation_aten.cpp holds the CompositeExplicitAutograd copy.
-
-at::Tensor aten_composite_act(const at::Tensor& x, Act act) {
-  if (act == Act::kGelu) return at::gelu(x, "tanh");
-  if (act == Act::kRelu) return at::relu(x);
-  return at::silu(x);
-}
-
-at::Tensor aten_composite_act_backward(const at::Tensor& grad, const at::Tensor& x, Act act) {
-  if (act == Act::kGelu) return at::gelu_backward(grad, x, "tanh");
-  if (act == Act::kRelu) return at::threshold_backward(grad, x, 0);
-  return at::silu_backward(grad, x);
-}
-
-at::Tensor aten_composite_activation(const at::Tensor& input, Activation activation) {
-  if (!activation.gated) return aten_composite_act(input, activation.act);
-  const auto halves = input.chunk(2, -1);
-  return aten_composite_act(halves[0], activation.act) * halves[1];
-}
-
-at::Tensor aten_composite_activation_backward(const at::Tensor& grad, const at::Tensor& input,
-                                              Activation activation) {
-  if (!activation.gated) return aten_composite_act_backward(grad, input, activation.act);
-  const auto halves = input.chunk(2, -1);
-  const at::Tensor& a = halves[0];
-  const at::Tensor& b = halves[1];
-  return at::cat({aten_composite_act_backward(grad * b, a, activation.act),
-                  grad * aten_composite_act(a, activation.act)},
-                 -1);
-}
-
-// ---- Argument checks (both paths)
-
-std::vector<int64_t> output_sizes(const at::Tensor& input, Activation activation,
-                                  c10::string_view name) {
-  std::vector<int64_t> sizes = input.sizes().vec();
-  if (!activation.gated) return sizes;
-  TORCH_CHECK(input.dim() >= 1 && input.size(-1) % 2 == 0, "splitgrad activation '",
-              std::string(name),
-              "': a gated activation needs an input whose last dimension is even ([a | b] "
-              "halves), got shape ",
-              input.sizes());
-  sizes.back() /= 2;
-  return sizes;
+  const Act act = name == "gelu" || name == "geglu"   ? Act::kGelu
+                  : name == "relu" || name == "reglu" ? Act::kRelu
+                                                      : Act::kSilu;
+  return {act, detail::is_gated_activation(std::string(name))};
 }
 
 // ---- Device math: ATen's CUDA formulas, in fp32 (opmath for bf16 / fp16 / fp32).
@@ -343,10 +294,12 @@ struct BackwardLaunch {
 // ---- The ops
 
 at::Tensor activation_cuda(const at::Tensor& input, c10::string_view name) {
+  detail::check_activation_args(detail::named("splitgrad::activation"), input, std::string(name));
   const Activation activation = parse_activation(name);
-  const std::vector<int64_t> sizes = output_sizes(input, activation, name);
-  if (!activation.gated || !fusable({&input})) return aten_composite_activation(input, activation);
+  if (!activation.gated || !fusable({&input})) return aten_backend::activation(input, name);
   c10::cuda::CUDAGuard guard(input.device());
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() /= 2;
   at::Tensor out = at::empty(sizes, input.options());
   if (out.numel() == 0) return out;
   const int64_t n = sizes.back();
@@ -358,18 +311,16 @@ at::Tensor activation_cuda(const at::Tensor& input, c10::string_view name) {
 
 at::Tensor activation_backward_cuda(const at::Tensor& grad_output, const at::Tensor& input,
                                     c10::string_view name) {
+  detail::check_activation_backward_args(detail::named("splitgrad::activation_backward"),
+                                         grad_output, input, std::string(name));
   const Activation activation = parse_activation(name);
-  const std::vector<int64_t> sizes = output_sizes(input, activation, name);
-  TORCH_CHECK(grad_output.sizes() == c10::IntArrayRef(sizes), "splitgrad activation_backward '",
-              std::string(name), "': grad_output of shape ", grad_output.sizes(),
-              " does not match the activation's output shape ", c10::IntArrayRef(sizes),
-              " (input shape ", input.sizes(), ")");
-  if (!activation.gated || !fusable({&input, &grad_output}))
-    return aten_composite_activation_backward(grad_output, input, activation);
+  if (!activation.gated || !fusable({&input, &grad_output})) {
+    return aten_backend::activation_backward(grad_output, input, name);
+  }
   c10::cuda::CUDAGuard guard(input.device());
   at::Tensor grad_input = at::empty(input.sizes(), input.options());
   if (grad_input.numel() == 0) return grad_input;
-  const int64_t n = sizes.back();
+  const int64_t n = grad_output.size(-1);
   dispatch(activation.act, input.scalar_type(),
            BackwardLaunch{grad_output.const_data_ptr(), input.const_data_ptr(),
                           grad_input.mutable_data_ptr(), grad_output.numel() / n, n,

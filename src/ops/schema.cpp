@@ -36,7 +36,4 @@ TORCH_LIBRARY(splitgrad, m) {
       "grouped_linear(Tensor input, Tensor m_splits, Tensor[] weights, Tensor[] biases, "
       "Tensor?[] weight_main_grads, Tensor?[] bias_main_grads, int layer_id, "
       "bool delay_wgrad_compute) -> Tensor");
-  // LayerNormMLP's activation (TE's names; the gated ones take [a | b] halves of the last dim).
-  m.def("activation(Tensor input, str activation) -> Tensor");
-  m.def("activation_backward(Tensor grad_output, Tensor input, str activation) -> Tensor");
 }
