@@ -14,6 +14,7 @@ from . import _C
 from ._errors import ArgumentError
 from ._linear import (
     _TE_DEFAULTS,
+    _autocast_enabled,
     _check_params_dtype,
     _check_sizes,
     _DeferredWgradModule,
@@ -94,7 +95,7 @@ class _NormedModule(_DeferredWgradModule):
         if path not in ("compile", "export"):
             # The input's checks, naming this module and its first GEMM (that GEMM's own checks,
             # before the norm runs).
-            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
+            cast = _autocast_enabled(inp.device.type) and inp.is_floating_point()
             with _typed_errors():
                 _C.check_gemm_args(self._layer_id, gemm, inp, first_weight, None, None, None, "weight", "bias",
                                    inp.dtype if cast else None)
@@ -107,7 +108,7 @@ class _NormedModule(_DeferredWgradModule):
         # would lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
         gamma = gamma.float() + 1
         beta = beta.float() if beta is not None else None
-        if torch.is_autocast_enabled(inp.device.type):
+        if _autocast_enabled(inp.device.type):
             return self._normalize(inp, gamma, beta)  # autocast casts the input as it casts the norm's
         return self._normalize(inp.float(), gamma, beta).to(inp.dtype)
 

@@ -41,6 +41,11 @@ def _default_device() -> torch.device:
 _linear_op = torch.ops.splitgrad.linear.default
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """torch.is_autocast_enabled for any device (it raises for one without autocast, e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _exporting() -> bool:
     # torch.compiler.is_exporting() is constant-folded to True by Dynamo under torch.compile too;
     # the flag it reads is set by torch.export only.
@@ -188,7 +193,7 @@ class _DeferredWgradModule(nn.Module):
         if path == "functional" or (gemm and path not in ("export", "compile")):
             # The op's own checks (the functional path runs without the op), naming the GEMM. Autocast
             # casts a floating input to its dtype before the product.
-            cast = torch.is_autocast_enabled(inp.device.type) and inp.is_floating_point()
+            cast = _autocast_enabled(inp.device.type) and inp.is_floating_point()
             _C.check_gemm_args(self._layer_id, gemm, inp, weight, bias, weight_main_grad, bias_main_grad, *names,
                                inp.dtype if cast else None, activation)
         if path in ("export", "trace"):

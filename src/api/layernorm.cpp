@@ -15,6 +15,12 @@
 namespace splitgrad {
 namespace {
 
+// at::autocast::is_autocast_enabled for any device (it throws for one without autocast: meta).
+bool autocast_enabled(c10::DeviceType device_type) {
+  return at::autocast::is_autocast_available(device_type) &&
+         at::autocast::is_autocast_enabled(device_type);
+}
+
 using OptTensor = std::optional<at::Tensor>;
 
 OptTensor optional_if_defined(const at::Tensor& t) {
@@ -53,7 +59,7 @@ void check_input(const LayerHandle& layer, const torch::Tensor& input,
                     "], got an undefined tensor");
   // Under autocast the norm and the GEMM cast the input themselves.
   const bool autocast =
-      input.is_floating_point() && at::autocast::is_autocast_enabled(input.device().type());
+      input.is_floating_point() && autocast_enabled(input.device().type());
   detail::check_linear_args(
       [&] { return detail::layer_label(layer.id(), gemm); }, input, first_weight, std::nullopt,
       autocast ? std::optional<at::ScalarType>(input.scalar_type()) : std::nullopt);
@@ -77,7 +83,7 @@ torch::Tensor normalize(const torch::Tensor& input, const std::string& normaliza
   // lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
   const torch::Tensor gamma = weight.to(at::kFloat) + 1;
   const torch::Tensor beta = bias.defined() ? bias.to(at::kFloat) : bias;
-  if (at::autocast::is_autocast_enabled(input.device().type())) {
+  if (autocast_enabled(input.device().type())) {
     return norm(input, gamma, beta);  // autocast casts the input as it casts the norm's
   }
   return norm(input.to(at::kFloat), gamma, beta).to(input.scalar_type());
@@ -299,10 +305,12 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernor
     }
     // The op's own checks, first with messages that say which GEMM and parameter they mean.
     const bool autocast =
-        x.is_floating_point() && at::autocast::is_autocast_enabled(x.device().type());
+        x.is_floating_point() && autocast_enabled(x.device().type());
+    const auto who = [&] { return detail::layer_label(layer_->id(), name); };
     detail::check_gemm_args(
-        [&] { return detail::layer_label(layer_->id(), name); },
-        activation ? detail::activation_output_view(x, std::string(*activation)) : x, weight,
+        who,
+        activation ? detail::activation_gemm_input(who, x, std::string(*activation), weight) : x,
+        weight,
         optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
         autocast ? std::optional<at::ScalarType>(x.scalar_type()) : std::nullopt);
     return ops::linear(x, weight, optional_if_defined(bias), weight_main_grad, bias_main_grad,

@@ -147,6 +147,20 @@ at::Tensor activation_output_view(const at::Tensor& input, const std::string& ac
   return input.narrow_symint(-1, 0, input.sym_size(-1) / 2);
 }
 
+at::Tensor activation_gemm_input(Who who, const at::Tensor& input, const std::string& activation,
+                                 const at::Tensor& weight) {
+  check_activation_args(who, input, activation);
+  if (weight.dim() == 2) {  // else check_linear_args says what the weight should be
+    const bool gated = is_gated_activation(activation);
+    const c10::SymInt width = weight.sym_size(1) * (gated ? 2 : 1);
+    TORCH_CHECK_VALUE(input.sym_size(-1) == width, who(), ": expected input of shape [*, ", width,
+                      "] for activation \"", activation, "\" before in_features = ",
+                      weight.sym_size(1), gated ? " (a gated activation halves its input)" : "",
+                      ", got shape ", input.sym_sizes());
+  }
+  return activation_output_view(input, activation);
+}
+
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input) {
   TORCH_CHECK_VALUE(grad_output.dim() >= 1 && input.dim() == grad_output.dim(), who(),
                     ": expected grad_output [*, out_features] and input [*, in_features] with the ",

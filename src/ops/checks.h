@@ -64,6 +64,11 @@ void check_activation_backward_args(Who who, const at::Tensor& grad_output, cons
 /// A tensor shaped as the activation's output, without computing it: `input` itself, or for a
 /// gated activation its first half (a view). For the checks of the GEMM that consumes the output.
 at::Tensor activation_output_view(const at::Tensor& input, const std::string& activation);
+/// For a GEMM whose input is `activation(input)` (linear's input_activation): check_activation_args,
+/// then input's width against the weight's in_features (twice that for a gated activation), in a
+/// message about the tensor the caller passed; returns activation_output_view for the GEMM's checks.
+at::Tensor activation_gemm_input(Who who, const at::Tensor& input, const std::string& activation,
+                                 const at::Tensor& weight);
 /// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.
 void check_wgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& input);
 

@@ -30,8 +30,9 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
   auto who = [&] {
     return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear");
   };
-  if (!activation.empty()) check_activation_args(who, input, activation);
-  check_linear_args(who, activation.empty() ? input : activation_output_view(input, activation),
+  check_linear_args(who,
+                    activation.empty() ? input
+                                       : activation_gemm_input(who, input, activation, weight),
                     weight, bias, compute_dtype);
   if (weight_main_grad.has_value()) check_main_grad(who, "weight", *weight_main_grad, weight);
   if (bias_main_grad.has_value()) {
@@ -202,9 +203,36 @@ at::Tensor linear_forward_only(const at::Tensor& input, const at::Tensor& weight
                compute_dtype);
 }
 
+// splitgrad::activation / activation_backward are kernels without a derivative of their own (the
+// linear op differentiates its input_activation). Called where autograd must differentiate them,
+// they run the ATen composite's differentiable ops instead (the same values), rather than hand
+// autograd an output whose gradient it would drop.
+at::Tensor activation_autograd(const at::Tensor& input, c10::string_view activation) {
+  const std::string_view name(activation.data(), activation.size());
+  if (at::GradMode::is_enabled() && input.requires_grad()) {
+    return aten_backend::activation_differentiable(input, name);
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return ops::activation(input, name);
+}
+
+at::Tensor activation_backward_autograd(const at::Tensor& grad_output, const at::Tensor& input,
+                                        c10::string_view activation) {
+  const std::string_view name(activation.data(), activation.size());
+  if (at::GradMode::is_enabled() && (input.requires_grad() || grad_output.requires_grad())) {
+    return aten_backend::activation_backward_differentiable(grad_output, input, name);
+  }
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return ops::activation_backward(grad_output, input, name);
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(splitgrad, Autograd, m) { m.impl("linear", &linear_autograd); }
+TORCH_LIBRARY_IMPL(splitgrad, Autograd, m) {
+  m.impl("linear", &linear_autograd);
+  m.impl("activation", &activation_autograd);
+  m.impl("activation_backward", &activation_backward_autograd);
+}
 TORCH_LIBRARY_IMPL(splitgrad, CompositeExplicitAutograd, m) {
   m.impl("linear", &linear_forward_only);
 }

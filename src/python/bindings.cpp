@@ -150,12 +150,10 @@ PYBIND11_MODULE(_C, m) {
          const std::optional<std::string>& input_activation) {
         HANDLE_TH_ERRORS
         auto who = [&] { return splitgrad::detail::layer_label(layer_id, gemm); };
-        if (input_activation.has_value())
-          splitgrad::detail::check_activation_args(who, input, *input_activation);
         splitgrad::detail::check_gemm_args(
             who,
             input_activation.has_value()
-                ? splitgrad::detail::activation_output_view(input, *input_activation)
+                ? splitgrad::detail::activation_gemm_input(who, input, *input_activation, weight)
                 : input,
             weight, bias, weight_main_grad, bias_main_grad, weight_name, bias_name, compute_dtype);
         END_HANDLE_TH_ERRORS_PYBIND

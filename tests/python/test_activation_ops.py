@@ -156,8 +156,37 @@ def test_linear_input_activation_errors():
     layer = splitgrad.Linear(6, 3, device="cpu", name="fc2")
     with pytest.raises(ValueError, match=r"'fc2': expected activation .* got \"gelu2\""):
         ops.linear(torch.randn(4, 6), layer.weight, None, None, None, layer._layer_id, False, "gelu2")
-    with pytest.raises(ValueError, match=r"'fc2': expected input of shape \[\*, 6\].*got shape \[4, 3\]"):
+    # the message is about the tensor passed (fc1's output), not the activation's output
+    with pytest.raises(ValueError, match=r"'fc2': expected input of shape \[\*, 12\] for activation \"swiglu\" "
+                                         r"before in_features = 6 \(a gated activation halves its input\), "
+                                         r"got shape \[4, 6\]"):
         ops.linear(torch.randn(4, 6), layer.weight, None, None, None, layer._layer_id, False, "swiglu")
+    with pytest.raises(ValueError, match=r"'fc2': expected input of shape \[\*, 6\] for activation \"gelu\" "
+                                         r"before in_features = 6, got shape \[4, 5\]"):
+        ops.linear(torch.randn(4, 5), layer.weight, None, None, None, layer._layer_id, False, "gelu")
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_activation_ops_called_under_autograd_get_the_composites_gradients(activation):
+    """The ops have no derivative of their own; where autograd must differentiate them they run the
+    composite's differentiable ops, so a user's graph gets plain autograd's gradients, not none."""
+    x = _input(activation, torch.float64, (5,)).requires_grad_()
+    dy = torch.randn(5, 6, dtype=torch.float64)
+    ops.activation(x, activation).backward(dy)
+    xr = x.detach().clone().requires_grad_()
+    ref_activation(activation, xr).backward(dy)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)
+    # activation_backward under autograd (a double backward): its gradient is the composite's
+    g = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    xd = x.detach().clone().requires_grad_()
+    ops.activation_backward(g, xd, activation).sum().backward()
+    gr, xdr = g.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    (first,) = torch.autograd.grad(ref_activation(activation, xdr), xdr, gr, create_graph=True)
+    first.sum().backward()
+    torch.testing.assert_close(g.grad, gr.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(xd.grad, xdr.grad, rtol=0, atol=1e-12)
+    with torch.no_grad():  # no graph wanted: the kernels
+        torch.testing.assert_close(ops.activation(x, activation), ref_activation(activation, x.detach()), **EXACT)
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)

@@ -816,3 +816,13 @@ def test_cuda_matches_plain_pytorch(kind, activation, normalization, dtype, fuse
     if fused:
         assert (model.fc1_weight if kind == "mlp" else model.weight).grad is None
     assert_grads_match(model, reference, exact=False, high_precision=high)
+
+
+@pytest.mark.parametrize("module", ["LayerNormLinear", "LayerNormMLP"])
+def test_modules_on_the_meta_device_give_shapes(module):
+    """As splitgrad.Linear and nn.Linear: a model built on the meta device (deferred init, shape
+    inference) runs its forward; a device without autocast is no error."""
+    make = getattr(splitgrad, module)
+    layer = make(16, 24, device="meta", delay_wgrad_compute=True)
+    out = layer(torch.empty(5, 16, device="meta"))
+    assert out.device.type == "meta" and out.shape == (5, 16 if module == "LayerNormMLP" else 24)
