@@ -683,9 +683,12 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
         if (sinks.weight.defined() || sinks.bias.defined()) {
           // The GEMM's input, recomputed from the stashed activation input only now and freed
           // right after the GEMM (the same kernels on the same tensor: the forward's bit for bit).
-          const at::Tensor input = item.input_activation.empty()
-                                       ? item.input
-                                       : ops::activation(item.input, item.input_activation);
+          // Without grad mode: the stash requires grad, and backward_dw() may run with grad mode
+          // on, where the op would take its differentiable composite and record a graph.
+          const at::Tensor input = item.input_activation.empty() ? item.input : [&] {
+            const at::NoGradGuard no_grad;
+            return ops::activation(item.input, item.input_activation);
+          }();
           detail::accumulate_wgrad(item.grad_output, input, sinks);
         }
       } else {
