@@ -389,7 +389,14 @@ std::string stale_reason(const DeferredWgrad& item) {
                     " was stashed). That item was dropped and no gradient was written for it. "
                     "Run backward_dw() before modifying the tensor, or modify a clone.");
   };
-  std::string reason = check(item.input, item.input_version, "input");
+  // With an input activation the stash is the activation's input (a LayerNormMLP's fc2 keeps
+  // fc1's output): say so, naming the activation, so the message points at the right GEMM.
+  const std::string input_name =
+      item.input_activation.empty()
+          ? std::string("input")
+          : c10::str("input of its activation \"", item.input_activation,
+                     "\" (in a LayerNormMLP: fc2's, fc1's output)");
+  std::string reason = check(item.input, item.input_version, input_name.c_str());
   if (reason.empty()) reason = check(item.grad_output, item.grad_output_version, "grad_output");
   if (reason.empty() && item.m_splits.defined()) {
     reason = check(item.m_splits, item.m_splits_version, "m_splits");

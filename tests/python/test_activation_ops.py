@@ -147,7 +147,9 @@ def test_stashed_activation_input_modified_in_place_is_a_clear_error():
     h = _input("geglu", torch.float32)
     ops.linear(h, layer.weight, layer.bias, None, None, layer._layer_id, True, "geglu").sum().backward()
     h.add_(1.0)  # the stashed activation input
-    with pytest.raises(RuntimeError, match="'fc2': the input stashed for its deferred weight gradient was modified"):
+    with pytest.raises(RuntimeError, match=r"'fc2': the input of its activation \"geglu\" \(in a LayerNormMLP: "
+                                           r"fc2's, fc1's output\) stashed for its deferred weight gradient was "
+                                           r"modified"):
         layer.backward_dw()
     assert layer.weight.grad is None and splitgrad.pending_wgrads() == 0
 

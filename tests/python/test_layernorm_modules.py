@@ -543,6 +543,25 @@ def test_stashed_norm_output_modified_in_place_is_an_error_and_loses_nothing_els
     assert model.weight.grad is None and splitgrad.pending_wgrads() == 0
 
 
+def test_mlp_fc1_output_modified_in_place_names_fc2s_stash_and_keeps_fc1s_item():
+    """fc2's deferred item keeps fc1's output (the activation's input): modified in place, fc2's
+    item is dropped with an error saying which stash; fc1's item stays queued and runs next."""
+    model = make("mlp", delay_wgrad_compute=True, name="blocks.0.mlp")
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
+        out = model(torch.randn(3, H))
+    out.sum().backward()
+    fc1_out = [t for t in kept if t.shape[-1] == model.fc1_weight.shape[0]]
+    assert fc1_out, "fc1's output is among the saved tensors"
+    fc1_out[0].add_(1.0)
+    with pytest.raises(RuntimeError, match=r"'blocks.0.mlp': the input of its activation \"\w+\" \(in a "
+                                           r"LayerNormMLP: fc2's, fc1's output\) stashed"):
+        model.backward_dw()
+    assert model.fc2_weight.grad is None and splitgrad.pending_wgrads() > 0
+    model.backward_dw()  # fc1's item
+    assert model.fc1_weight.grad is not None and splitgrad.pending_wgrads() == 0
+
+
 def test_pending_work_guards_name_the_module():
     model = make("mlp", delay_wgrad_compute=True, name="blocks.1.mlp")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
