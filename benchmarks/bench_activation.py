@@ -33,8 +33,8 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import (chosen_by_name, device_description, print_table, time_cpu, time_side_by_side,  # noqa: E402
-                    write_results)
+from common import (available, chosen_by_name, device_description, print_table, time_cpu,  # noqa: E402
+                    time_side_by_side, write_results)
 
 import splitgrad  # noqa: E402,F401  (registers torch.ops.splitgrad)
 
@@ -73,18 +73,6 @@ def contenders(name: str, x: torch.Tensor, grad: torch.Tensor) -> dict[str, Call
         "bwd torch": lambda: torch.autograd.grad(y, leaf, grad, retain_graph=True)[0],
         "bwd splitgrad": lambda: OPS.activation_backward(grad, x, name),
     }
-
-
-def available(fns: dict[str, Callable[[], object]], skipped: dict[str, str]) -> dict[str, Callable[[], object]]:
-    """The contenders whose first call works; the others' reasons go into ``skipped``."""
-    kept = {}
-    for name, fn in fns.items():
-        try:
-            fn()
-            kept[name] = fn
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
-            skipped[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    return kept
 
 
 def agreement(got: torch.Tensor, want: torch.Tensor) -> str:

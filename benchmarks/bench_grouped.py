@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from common import (BF16_PEAK_TFLOPS, chosen_by_name, device_description, print_table, tflops,  # noqa: E402
+from common import (available, BF16_PEAK_TFLOPS, chosen_by_name, device_description, print_table, tflops,  # noqa: E402
                     time_cpu, time_side_by_side, write_results)
 
 import splitgrad  # noqa: E402  (registers torch.ops.splitgrad)
@@ -178,18 +178,6 @@ class Data:
     def zero_(self) -> None:
         self.main_grad.zero_()
         self.bias_main_grad.zero_()
-
-
-def available(fns: dict[str, Callable[[], object]], skipped: dict[str, str]) -> dict[str, Callable[[], object]]:
-    """The contenders whose first call works; the others' reasons go into ``skipped``."""
-    kept = {}
-    for name, fn in fns.items():
-        try:
-            fn()
-            kept[name] = fn
-        except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
-            skipped[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    return kept
 
 
 def timed(fns, device, min_ms) -> dict[str, float]:

@@ -124,6 +124,18 @@ def tflops(flop: float, ms: float) -> float:
     return flop / (ms * 1e-3) / 1e12
 
 
+def available(fns: dict[str, Callable[[], object]], skipped: dict[str, str]) -> dict[str, Callable[[], object]]:
+    """The contenders whose first call works; the others' reasons go into ``skipped``."""
+    kept = {}
+    for name, fn in fns.items():
+        try:
+            fn()
+            kept[name] = fn
+        except (RuntimeError, NotImplementedError, TypeError, ValueError) as error:
+            skipped[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    return kept
+
+
 def print_table(title: str, columns: list[str], rows: list[list[object]]) -> str:
     widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(columns)]
     lines = [title, " | ".join(str(c).rjust(w) for c, w in zip(columns, widths))]

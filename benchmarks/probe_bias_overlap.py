@@ -66,7 +66,8 @@ def main(argv=None) -> int:
         base = ms["without"]
         rows.append([label, tokens, f"{base * 1e3:.1f}"] + [f"{ms[k] / base - 1:+.1%}" for k in list(ms)[1:]])
         results.append({"shape": label, "tokens": tokens, "ms": ms})
-    print_table("wgrad with the bias gradient, over the same wgrad without it", ["shape", "tokens", "without µs", "sequential", "overlap, bias first", "overlap, gemm first"], rows)
+    print_table("wgrad with the bias gradient, over the same wgrad without it",
+                ["shape", "tokens", "without µs", "sequential", "overlap, bias first", "overlap, gemm first"], rows)
     if args.out:
         write_results(args.out, "probe_bias_overlap", {"device": device_description(), "results": results})
     return 0

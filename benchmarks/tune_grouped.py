@@ -28,9 +28,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_grouped import (OPS, SHAPES, Data, addmm_into, available, grouped_mm,  # noqa: E402
-                           imbalanced_splits, markdown_table, relative_error)
-from common import chosen_by_name, device_description, time_side_by_side, write_results  # noqa: E402
+from bench_grouped import (SHAPES, Data, fprop_dgrad_contenders, imbalanced_splits,  # noqa: E402
+                           markdown_table, relative_error, wgrad_contenders)
+from common import available, chosen_by_name, device_description, time_side_by_side, write_results  # noqa: E402
 
 # Mirrors src/cuda/sm90/CMakeLists.txt's tuning variants, by product.
 VARIANTS = {
@@ -63,36 +63,20 @@ def under_env(fn: Callable[[], object], env: dict[str, str]) -> Callable[[], obj
 
 
 def products(d: Data) -> dict[str, tuple[dict[str, Callable[[], object]], Callable[[], object], Callable]]:
-    """product -> (PyTorch's contenders, splitgrad's call, the reference and how to read a result)."""
+    """product -> (PyTorch's contenders, splitgrad's call with device splits, the fp32 reference):
+    bench_grouped.py's contenders, each returning its result."""
+    fd, wg = fprop_dgrad_contenders(d), wgrad_contenders(d)
 
-    def fprop_loop():
-        for x, w, y in zip(d.xs, d.ws, d.ys):
-            torch.mm(x, w.t(), out=y)
-        return d.y
-
-    def dgrad_loop():
-        for dy, w, dx in zip(d.dys, d.ws, d.dxs):
-            torch.mm(dy, w, out=dx)
-        return d.dx
-
-    def addmm_loop():
-        for target, dy, x in zip(d.main_grads, d.dys, d.xs):
-            addmm_into(target, dy.t(), x)
-        return d.main_grad
-
-    def wgrad():
-        OPS.grouped_linear_wgrad_accumulate_(d.dy, d.x, d.splits_device, d.main_grads, [])
-        return d.main_grad
+    def into_main_grad(fn):
+        return lambda: (fn(), d.main_grad)[1]
 
     return {
-        "fprop": ({"loop": fprop_loop, "grouped_mm": lambda: grouped_mm(d.x, d.w.transpose(-2, -1), d.offs)},
-                  lambda: OPS.grouped_linear_fprop(d.x, d.splits_device, d.ws, []),
+        "fprop": ({"loop": fd["fprop loop"], "grouped_mm": fd["fprop gmm"]}, fd["fprop splitgrad dev"],
                   lambda: torch.cat([x.float() @ w.float().t() for x, w in zip(d.xs, d.ws)])),
-        "dgrad": ({"loop": dgrad_loop, "grouped_mm": lambda: grouped_mm(d.dy, d.w, d.offs)},
-                  lambda: OPS.grouped_linear_dgrad(d.dy, d.splits_device, d.ws),
+        "dgrad": ({"loop": fd["dgrad loop"], "grouped_mm": fd["dgrad gmm"]}, fd["dgrad splitgrad dev"],
                   lambda: torch.cat([dy.float() @ w.float() for dy, w in zip(d.dys, d.ws)])),
-        "wgrad": ({"addmm loop": addmm_loop, "gmm floor": lambda: grouped_mm(d.dy.t(), d.x, d.offs)},
-                  wgrad,
+        "wgrad": ({"addmm loop": into_main_grad(wg["(a) addmm loop"]), "gmm floor": wg["(c) gmm floor"]},
+                  into_main_grad(wg["(d) splitgrad dev"]),
                   lambda: torch.stack([dy.float().t() @ x.float() for dy, x in zip(d.dys, d.xs)])),
     }
 
@@ -165,14 +149,13 @@ def main(argv=None) -> int:
 
     text = []
     for row in rows:
-        ref = row["pass1"][row["reference"]]
-        table = [[name, f"{ms * 1e3:.1f}", f"{ms / ref:.3f}"] for name, ms in sorted(row["pass1"].items(), key=lambda kv: kv[1])]
-        text.append(f"#### {row['shape']} {row['product']}: pass 1 (vs {row['reference']})\n\n"
-                    + markdown_table(["kernel", "µs", "ratio"], table))
-        ref2 = row["pass2"][row["reference"]]
-        table = [[name, f"{ms * 1e3:.1f}", f"{ms / ref2:.3f}"] for name, ms in sorted(row["pass2"].items(), key=lambda kv: kv[1])]
-        text.append(f"#### {row['shape']} {row['product']}: pass 2, tile orders (raster m|n, swizzle)\n\n"
-                    + markdown_table(["kernel", "µs", "ratio"], table))
+        for which, title in (("pass1", f"pass 1 (vs {row['reference']})"),
+                             ("pass2", "pass 2, tile orders (raster m|n, swizzle)")):
+            ref = row[which][row["reference"]]
+            table = [[name, f"{ms * 1e3:.1f}", f"{ms / ref:.3f}"]
+                     for name, ms in sorted(row[which].items(), key=lambda kv: kv[1])]
+            text.append(f"#### {row['shape']} {row['product']}: {title}\n\n"
+                        + markdown_table(["kernel", "µs", "ratio"], table))
     text += [f"skipped: {line}" for line in skipped]
     print("\n\n".join(text))
     elapsed = time.perf_counter() - started
