@@ -154,8 +154,8 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
 }
 
 // wgrad walks its output tiles along N (the input features) first: measured on the H200
-// (benchmarks/tune_grouped.py) 0-4% faster than along M on bench_grouped.py's shapes, up to 25%
-// with a 2x1 cluster on Mixtral's two large experts.
+// (benchmarks/tune_grouped.py) from 0.5% slower (8 DeepSeek-V3 gate/up experts) to 4% faster
+// than along M on bench_grouped.py's shapes, 25% with a 2x1 cluster on Mixtral's two experts.
 template <class K>
 typename K::Gemm::Arguments kernel_arguments(const GroupedGemmArgs& args, GroupArrays<K> arrays,
                                              float beta) {
