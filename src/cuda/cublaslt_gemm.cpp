@@ -111,11 +111,20 @@ PlanKey key_of(const GemmArgs& args) {
 
 // Autotuning. The heuristic's first algorithm is not always the fastest (small and skinny shapes
 // especially), so a new plan times up to kCandidates of them once and keeps the fastest — but
-// only among candidates whose output equals the first one's bit for bit. The choice is then a
-// matter of speed alone: every run, process and path (write or add) does the heuristic's
-// arithmetic, whichever candidate won the timing. SPLITGRAD_CUBLASLT_AUTOTUNE=0 keeps the first.
+// only among candidates whose output equals the first one's bit for bit, both written (beta = 0)
+// and added to an existing D (beta = 1). The choice is then a matter of speed alone: every run,
+// process and path (write or add) does the heuristic's arithmetic, whichever candidate won the
+// timing. SPLITGRAD_CUBLASLT_AUTOTUNE=0 keeps the first.
+// What is timed is one call as a training step makes it: each launch queued behind a busy wait, so
+// that its events time the kernel alone (back-to-back launches of one kernel overlap, and favour
+// kernels that run 5-20% slower as a lone call: benchmarks/probe_small_gemms.py on the H200),
+// with the beta of the call that made the plan (wgrad's adds read D, fprop's writes do not), in
+// interleaved rounds. A candidate must beat the first choice by kMargin to replace it: timing
+// noise leaves the plan on the kernel cuBLAS's own heuristic, and so PyTorch, would run.
 constexpr int kCandidates = 8;
-constexpr int kTimedRuns = 5;
+constexpr int kTimedRounds = 7;
+constexpr float kMargin = 0.02f;
+constexpr uint64_t kQueueAheadNs = 40000;  // longer than the host takes to queue one timed call
 
 bool autotune_enabled() {
   static const bool enabled = [] {
@@ -166,6 +175,26 @@ class Scratch {
   std::vector<void*> buffers_;
 };
 
+// CUDA events with timing, destroyed with the owner.
+class Events {
+ public:
+  explicit Events(size_t count) : events_(count, nullptr) {
+    for (auto& event : events_) ok_ = ok_ && cudaEventCreate(&event) == cudaSuccess;
+  }
+  ~Events() {
+    for (cudaEvent_t event : events_)
+      if (event != nullptr) cudaEventDestroy(event);
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  bool ok() const { return ok_; }
+  cudaEvent_t operator[](size_t i) const { return events_[i]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  bool ok_ = true;
+};
+
 // Stored elements of an operand: ld x (columns as stored).
 size_t operand_bytes(const Operand& op, int64_t stored_cols) {
   return static_cast<size_t>(op.ld) * static_cast<size_t>(stored_cols) * element_bytes(op.type);
@@ -186,62 +215,93 @@ int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cuda
   const size_t d_bytes = static_cast<size_t>(args.ldd) * args.n * element_bytes(args.d_type);
   const size_t a_bytes = operand_bytes(args.a, args.a.transposed ? args.m : args.k);
   const size_t b_bytes = operand_bytes(args.b, args.b.transposed ? args.k : args.n);
-  void* reference = scratch.get(d_bytes);
+  void* written_reference = scratch.get(d_bytes);
+  void* added_reference = scratch.get(d_bytes);
   void* output = scratch.get(d_bytes);
   auto* differing = static_cast<unsigned int*>(scratch.get(sizeof(unsigned int)));
   void* a = scratch.get(a_bytes);
   void* b = scratch.get(b_bytes);
-  if (reference == nullptr || output == nullptr || differing == nullptr || a == nullptr ||
-      b == nullptr ||
+  if (written_reference == nullptr || added_reference == nullptr || output == nullptr ||
+      differing == nullptr || a == nullptr || b == nullptr ||
       fill_pseudo_random(a, args.a.type, a_bytes / element_bytes(args.a.type), 1, stream) !=
           cudaSuccess ||
       fill_pseudo_random(b, args.b.type, b_bytes / element_bytes(args.b.type), 2, stream) !=
           cudaSuccess) {
     return -1;
   }
-  cudaEvent_t start = nullptr, stop = nullptr;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  const float alpha = 1.0f, beta = 0.0f;
-  int best = -1;
-  float best_ms = 0.0f;
-  for (int i = 0; i < static_cast<int>(plan.candidates.size()); ++i) {
-    const auto& candidate = plan.candidates[i];
-    const bool is_reference = i == 0;
-    void* d = is_reference ? reference : output;
-    auto launch = [&] {
-      return cublasLtMatmul(handle, plan.desc, &alpha, a, plan.a, b, plan.b, &beta, d, plan.d, d,
-                            plan.d, &candidate.algo, args.workspace, args.workspace_bytes, stream);
-    };
-    // Padding between D's columns (ldd > m) is never written: zero it in both outputs.
-    bool ok = candidate.state == CUBLAS_STATUS_SUCCESS &&
-              candidate.workspaceSize <= args.workspace_bytes &&
-              cudaMemsetAsync(d, 0, d_bytes, stream) == cudaSuccess &&
-              launch() == CUBLAS_STATUS_SUCCESS;
-    if (ok && !is_reference) {
-      unsigned int differs = 0;
-      ok = cudaMemsetAsync(differing, 0, sizeof(unsigned int), stream) == cudaSuccess &&
+  const float alpha = 1.0f, zero = 0.0f, one = 1.0f;
+  auto launch = [&](int candidate, void* d, const float* beta) {
+    return cublasLtMatmul(handle, plan.desc, &alpha, a, plan.a, b, plan.b, beta, d, plan.d, d,
+                          plan.d, &plan.candidates[candidate].algo, args.workspace,
+                          args.workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  // D before the product: zeros to write over, fixed pseudo-random values to add to. Padding
+  // between D's columns (ldd > m) is never written, so it is alike in every output.
+  auto prepare = [&](void* d, bool added) {
+    return added ? fill_pseudo_random(d, args.d_type, d_bytes / element_bytes(args.d_type), 3,
+                                      stream) == cudaSuccess
+                 : cudaMemsetAsync(d, 0, d_bytes, stream) == cudaSuccess;
+  };
+  auto equals = [&](const void* reference) {
+    unsigned int differs = 0;
+    return cudaMemsetAsync(differing, 0, sizeof(unsigned int), stream) == cudaSuccess &&
            count_differing_words(reference, output, d_bytes, differing, stream) == cudaSuccess &&
            cudaMemcpyAsync(&differs, differing, sizeof(differs), cudaMemcpyDeviceToHost,
                            stream) == cudaSuccess &&
-           cudaStreamSynchronize(stream) == cudaSuccess &&
-           differs == 0;  // else other arithmetic (a split-K, another reduction order)
+           cudaStreamSynchronize(stream) == cudaSuccess && differs == 0;
+  };
+
+  // Candidates that run and do the first choice's arithmetic (else a split-K, another reduction
+  // order); the first choice itself is eligible[0].
+  std::vector<int> eligible;
+  for (int i = 0; i < static_cast<int>(plan.candidates.size()); ++i) {
+    const auto& candidate = plan.candidates[i];
+    bool ok = candidate.state == CUBLAS_STATUS_SUCCESS &&
+              candidate.workspaceSize <= args.workspace_bytes;
+    for (const bool added : {false, true}) {
+      void* reference = added ? added_reference : written_reference;
+      void* d = i == 0 ? reference : output;
+      ok = ok && prepare(d, added) && launch(i, d, added ? &one : &zero) &&
+           (i == 0 || equals(reference));
     }
-    float ms = 0.0f;
-    if (ok) {
-      cudaEventRecord(start, stream);
-      for (int run = 0; run < kTimedRuns && ok; ++run) ok = launch() == CUBLAS_STATUS_SUCCESS;
-      cudaEventRecord(stop, stream);
-      ok = ok && cudaEventSynchronize(stop) == cudaSuccess &&
-           cudaEventElapsedTime(&ms, start, stop) == cudaSuccess;
-    }
-    if (!ok) cudaGetLastError();     // this call's failure must not surface in a later check
-    if (!ok && is_reference) break;  // nothing to compare with: the first choice stands
-    if (ok && (best < 0 || ms < best_ms)) best = i, best_ms = ms;
+    if (!ok) cudaGetLastError();  // this call's failure must not surface in a later check
+    if (!ok && i == 0) return -1;  // nothing to compare with: the first choice stands
+    if (ok) eligible.push_back(i);
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return best;
+  if (eligible.size() < 2) return -1;
+
+  const size_t count = eligible.size();
+  Events events(2 * count * kTimedRounds);
+  if (!events.ok()) return -1;
+  const float* beta = args.accumulate == Accumulate::kAdd ? &one : &zero;
+  bool ok = true;
+  for (int round = 0; round < kTimedRounds && ok; ++round) {
+    for (size_t j = 0; j < count && ok; ++j) {
+      const size_t slot = (j + round) % count;  // a rotating order: drift touches all alike
+      const size_t event = 2 * (round * count + slot);
+      ok = busy_wait(kQueueAheadNs, stream) == cudaSuccess &&
+           cudaEventRecord(events[event], stream) == cudaSuccess &&
+           launch(eligible[slot], output, beta) &&
+           cudaEventRecord(events[event + 1], stream) == cudaSuccess;
+    }
+  }
+  ok = ok && cudaStreamSynchronize(stream) == cudaSuccess;
+  std::vector<float> medians(count);
+  for (size_t slot = 0; slot < count && ok; ++slot) {
+    std::vector<float> samples(kTimedRounds);
+    for (int round = 0; round < kTimedRounds && ok; ++round) {
+      const size_t event = 2 * (round * count + slot);
+      ok = cudaEventElapsedTime(&samples[round], events[event], events[event + 1]) == cudaSuccess;
+    }
+    std::nth_element(samples.begin(), samples.begin() + kTimedRounds / 2, samples.end());
+    medians[slot] = samples[kTimedRounds / 2];
+  }
+  if (!ok) {
+    cudaGetLastError();
+    return -1;
+  }
+  const size_t fastest = std::min_element(medians.begin(), medians.end()) - medians.begin();
+  return medians[fastest] < (1.0f - kMargin) * medians[0] ? eligible[fastest] : eligible[0];
 }
 
 // Times the plan's candidates if that is still to do and can be done now (not while the stream

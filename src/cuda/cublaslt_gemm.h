@@ -65,9 +65,10 @@ struct GemmStatus {
 /// so both do the same arithmetic — and a repeated call costs one launch.
 /// Reproducible numerics: the algorithm always computes what the heuristic's first choice
 /// computes, bit for bit. The first call for a new combination (outside CUDA-graph capture) times
-/// up to 8 of the heuristic's candidates on scratch operands of fixed pseudo-random values and
-/// keeps the fastest of those whose output equals the first choice's bit for bit (it waits for
-/// `stream` once); SPLITGRAD_CUBLASLT_AUTOTUNE=0 or `args.autotune = false` keeps the first.
+/// up to 8 of the heuristic's candidates on scratch operands of fixed pseudo-random values, each
+/// as a lone call with that call's beta, and keeps the fastest of those whose output equals the
+/// first choice's bit for bit, written and added, if it beats the first choice by 2% (it waits
+/// for `stream`); SPLITGRAD_CUBLASLT_AUTOTUNE=0 or `args.autotune = false` keeps the first.
 /// Returns !ok (and launches nothing) when cuBLASLt has no algorithm for the combination.
 GemmStatus gemm(cublasLtHandle_t handle, const GemmArgs& args, cudaStream_t stream);
 

@@ -1,4 +1,5 @@
-// The autotuner's helpers (see tuning_kernels.h): a fixed pseudo-random fill and a bitwise compare.
+// The autotuner's helpers (see tuning_kernels.h): a fixed pseudo-random fill, a bitwise compare
+// and a busy wait.
 
 #include "cuda/float_convert.cuh"
 #include "cuda/tuning_kernels.h"
@@ -52,6 +53,18 @@ __global__ void compare_kernel(const unsigned char* a, const unsigned char* b, s
   if (local != 0) atomicAdd(differing, local);
 }
 
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+__global__ void busy_wait_kernel(uint64_t nanoseconds) {
+  const uint64_t until = global_timer_ns() + nanoseconds;
+  while (global_timer_ns() < until) {
+  }
+}
+
 unsigned blocks_for(size_t n) {
   const size_t blocks = (n + kThreads - 1) / kThreads;
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > kMaxBlocks ? kMaxBlocks : blocks));
@@ -85,6 +98,11 @@ cudaError_t count_differing_words(const void* a, const void* b, size_t bytes,
   if (bytes == 0) return cudaSuccess;
   compare_kernel<<<blocks_for(bytes / 4 + 1), kThreads, 0, stream>>>(
       static_cast<const unsigned char*>(a), static_cast<const unsigned char*>(b), bytes, differing);
+  return cudaGetLastError();
+}
+
+cudaError_t busy_wait(uint64_t nanoseconds, cudaStream_t stream) {
+  busy_wait_kernel<<<1, 1, 0, stream>>>(nanoseconds);
   return cudaGetLastError();
 }
 
