@@ -228,3 +228,57 @@ def test_bias_gradient_beside_the_gemm_on_a_side_stream(dtype, capture):
     _, fresh_bias = torch.ops.splitgrad.linear_wgrad(dy, x, True)
     _, reference_bias = torch.ops.splitgrad.linear_wgrad(dy[:, :], x[:, :0], True)
     assert torch.equal(fresh_bias, reference_bias)
+
+
+def _large_dy(layout, dtype):
+    """A dy of at least 2**21 elements (the side-stream path) in the given layout."""
+    if layout == "odd":  # odd token and feature counts: the kernel's scalar tails
+        return random(4099, 517, dtype=dtype)
+    if layout == "strided":  # rows longer than the features
+        return random(4096, 1032, dtype=dtype)[:, :1000]
+    flat = random(4096 * 1000 + 1, dtype=dtype)  # "misaligned": a start 2 or 4 bytes off 16
+    return flat[1:].view(4096, 1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("layout", ["odd", "strided", "misaligned"])
+def test_bias_gradient_beside_the_gemm_odd_strided_misaligned(dtype, layout):
+    """The side-stream path on odd, strided and misaligned dy: the same bits as the weight GEMM and
+    the column sum run one after the other (each alone), and close to a float64 reference."""
+    dy = _large_dy(layout, dtype)
+    assert dy.numel() >= 2**21
+    x = random(dy.shape[0], 48, dtype=dtype)[:, 8:41]  # strided x too
+    start_w, start_b = torch.randn(dy.shape[1], 33, device="cuda"), torch.randn(dy.shape[1], device="cuda")
+    weight_alone, bias_alone = start_w.clone(), start_b.clone()
+    torch.ops.splitgrad.linear_wgrad_accumulate_(dy, x, weight_alone, None)
+    torch.ops.splitgrad.linear_wgrad_accumulate_(dy, x[:, :0], weight_alone[:, :0], bias_alone)
+    weight_both, bias_both = start_w.clone(), start_b.clone()
+    torch.ops.splitgrad.linear_wgrad_accumulate_(dy, x, weight_both, bias_both)
+    assert torch.equal(bias_both, bias_alone)
+    assert torch.equal(weight_both, weight_alone)
+    reference = start_b.double() + dy.double().sum(0)
+    assert_close_to_reference(bias_both, start_b + dy.float().sum(0), reference, f"bias grad, {layout}")
+    _, written = torch.ops.splitgrad.linear_wgrad(dy, x, True)
+    assert_close_to_reference(written, dy.sum(0), dy.double().sum(0), f"bias grad written, {layout}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_delayed_equals_immediate_bit_for_bit_on_the_side_stream_path(dtype):
+    """A fused main_grad over two micro-batches whose dy takes the side-stream path: the deferred
+    wgrad and bias gradient equal the immediate ones bit for bit (TE's test_numerics demand)."""
+    torch.manual_seed(0)
+    kwargs = dict(params_dtype=dtype, device="cuda", fuse_wgrad_accumulation=True)
+    immediate = splitgrad.Linear(520, 1024, **kwargs)
+    delayed = splitgrad.Linear(520, 1024, delay_wgrad_compute=True, **kwargs)
+    delayed.load_state_dict(immediate.state_dict())
+    for layer in (immediate, delayed):
+        for p in layer.parameters():
+            p.main_grad = torch.zeros(p.shape, device="cuda")
+    for _ in range(2):
+        x, g = random(4096, 520, dtype=dtype), random(4096, 1024, dtype=dtype)  # dy: 2**22 elements
+        immediate(x).backward(g)
+        delayed(x).backward(g)
+        delayed.backward_dw()
+    assert torch.equal(delayed.weight.main_grad, immediate.weight.main_grad)
+    assert torch.equal(delayed.bias.main_grad, immediate.bias.main_grad)
+    assert immediate.bias.main_grad.abs().sum() > 0
