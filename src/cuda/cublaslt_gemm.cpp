@@ -118,9 +118,10 @@ PlanKey key_of(const GemmArgs& args) {
 // What is timed is one call as a training step makes it: each launch queued behind a busy wait, so
 // that its events time the kernel alone (back-to-back launches of one kernel overlap, and favour
 // kernels that run 5-20% slower as a lone call: benchmarks/probe_small_gemms.py on the H200),
-// with the beta of the call that made the plan (wgrad's adds read D, fprop's writes do not), in
-// interleaved rounds. A candidate must beat the first choice by kMargin to replace it: timing
-// noise leaves the plan on the kernel cuBLAS's own heuristic, and so PyTorch, would run.
+// with the beta of the call that tunes it, the first one outside capture (wgrad's adds read D,
+// fprop's writes do not), in interleaved rounds. A candidate must beat the first choice by kMargin
+// to replace it: timing noise leaves the plan on the kernel cuBLAS's own heuristic, and so
+// PyTorch, would run.
 constexpr int kCandidates = 8;
 constexpr int kTimedRounds = 7;
 constexpr float kMargin = 0.02f;
@@ -203,8 +204,8 @@ size_t operand_bytes(const Operand& op, int64_t stored_cols) {
 // The candidate the plan should use: the fastest of those that compute what the heuristic's first
 // choice (the untuned plan's algorithm) computes, bit for bit, on operands of the tuner's own
 // (fixed pseudo-random values: no special values in the caller's data can make candidates of
-// other arithmetic look alike). Returns -1 to keep the first choice: no memory for the tuner's
-// operands, or the first choice itself could not be run and timed.
+// other arithmetic look alike). Returns -1 to keep the first choice: no memory or events for the
+// tuner, no other eligible candidate, or a launch or timing that failed (its error cleared).
 int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cudaStream_t stream) {
   if (args.epilogue != Epilogue::kNone &&
       cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &args.bias,
@@ -272,7 +273,10 @@ int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cuda
 
   const size_t count = eligible.size();
   Events events(2 * count * kTimedRounds);
-  if (!events.ok()) return -1;
+  if (!events.ok()) {
+    cudaGetLastError();
+    return -1;
+  }
   const float* beta = args.accumulate == Accumulate::kAdd ? &one : &zero;
   bool ok = true;
   for (int round = 0; round < kTimedRounds && ok; ++round) {
@@ -308,7 +312,12 @@ int choose(cublasLtHandle_t handle, const Plan& plan, const GemmArgs& args, cuda
 // is being captured into a CUDA graph: it cannot be synchronised; a later call tunes).
 void tune_if_pending(cublasLtHandle_t handle, Plan& plan, const GemmArgs& args,
                      cudaStream_t stream) {
-  if (!plan.tuning_pending || !args.autotune || capturing(stream)) return;
+  // An error the caller's earlier work left pending is the caller's to see: tune on a later call
+  // (the tuner clears only its own errors).
+  if (!plan.tuning_pending || !args.autotune || capturing(stream) ||
+      cudaPeekAtLastError() != cudaSuccess) {
+    return;
+  }
   plan.tuning_pending = false;
   if (const int best = choose(handle, plan, args, stream); best >= 0) {
     plan.algo = plan.candidates[best].algo;
