@@ -379,14 +379,18 @@ namespace {
 
 // Why an item can no longer run (a stashed tensor changed in place), or "" if it can.
 std::string stale_reason(const DeferredWgrad& item) {
+  // The weight's shape tells a module's GEMMs apart (a LayerNormMLP's fc1 from its fc2).
+  const at::Tensor weight(item.weight.lock());
+  const std::string for_weight =
+      weight.defined() ? c10::str(", for the weight of shape ", weight.sizes(), ",") : "";
   auto check = [&](const at::Tensor& t, uint32_t saved, const char* what) -> std::string {
     const uint32_t now = t._version();
     if (now == saved) return "";
     return c10::str(detail::layer_label(item.layer), ": the ", what,
                     " stashed for its deferred weight gradient was modified in place after the "
                     "backward pass that queued it (its version is now ",
-                    now, "; ", saved,
-                    " was stashed). That item was dropped and no gradient was written for it. "
+                    now, "; ", saved, " was stashed). That item", for_weight,
+                    " was dropped and no gradient was written for it. "
                     "Run backward_dw() before modifying the tensor, or modify a clone.");
   };
   // With an input activation the stash is the activation's input (a LayerNormMLP's fc2 keeps

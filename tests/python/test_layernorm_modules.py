@@ -543,6 +543,29 @@ def test_stashed_norm_output_modified_in_place_is_an_error_and_loses_nothing_els
     assert model.weight.grad is None and splitgrad.pending_wgrads() == 0
 
 
+def test_mlp_norm_output_modified_in_place_names_fc1s_weight_and_keeps_fc2s_item():
+    """fc1's deferred item keeps the norm's output (returned by return_layernorm_output): modified
+    in place, fc1's item is dropped with an error naming its weight's shape; fc2's item still runs
+    and gives plain autograd's fc2 gradients."""
+    model = make("mlp", return_layernorm_output=True, delay_wgrad_compute=True, name="blocks.0.mlp")
+    x = torch.randn(3, H)
+    out, ln_out = model(x)
+    out.sum().backward()
+    ln_out.add_(1.0)  # fc1's stashed input
+    fc1_shape = list(model.fc1_weight.shape)
+    with pytest.raises(RuntimeError, match=rf"'blocks.0.mlp': the input stashed .* That item, for the weight of "
+                                           rf"shape \{fc1_shape}, was dropped"):
+        model.backward_dw()
+    assert model.fc1_weight.grad is None
+    while splitgrad.pending_wgrads():
+        model.backward_dw()
+    reference = make("mlp", return_layernorm_output=True)
+    reference.load_state_dict(model.state_dict())
+    reference(x)[0].sum().backward()
+    torch.testing.assert_close(model.fc2_weight.grad, reference.fc2_weight.grad)
+    torch.testing.assert_close(model.fc2_bias.grad, reference.fc2_bias.grad)
+
+
 def test_mlp_fc1_output_modified_in_place_names_fc2s_stash_and_keeps_fc1s_item():
     """fc2's deferred item keeps fc1's output (the activation's input): modified in place, fc2's
     item is dropped with an error saying which stash; fc1's item stays queued and runs next."""
