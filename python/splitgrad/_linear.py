@@ -221,8 +221,9 @@ class _DeferredWgradModule(nn.Module):
 
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its
-        gradient in ``bias.grad``, as te.Linear does."""
-        if not param.requires_grad:
+        gradient in ``bias.grad``, as te.Linear does. None where no backward can reach ``param``
+        (frozen, or grad mode off: an eval or generation forward needs no main_grad)."""
+        if not param.requires_grad or not torch.is_grad_enabled():
             return None
         main_grad = getattr(param, "main_grad", None)
         if main_grad is None and not required:

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "api/module_common.h"
 #include "ops/checks.h"
 #include "splitgrad/ops.h"
 
@@ -77,16 +78,12 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
   if (options.fuse_wgrad_accumulation()) {
     // Every trainable weight needs its main_grad; a bias without one gets its gradient in .grad.
     for (size_t i = 0; i < weights.size(); ++i) {
-      const at::Tensor buffer = weights[i].requires_grad() ? main_grad(weights[i]) : at::Tensor();
-      TORCH_CHECK_VALUE(!weights[i].requires_grad() || buffer.defined(), "splitgrad layer '",
-                        layer_->name(), "': fuse_wgrad_accumulation=true needs weight", i,
-                        "'s main_grad (an fp32 tensor of shape ", weights[i].sizes(),
-                        "); set it with splitgrad::set_main_grad()");
-      weight_main_grads.push_back(buffer.defined() ? std::optional(buffer) : std::nullopt);
+      weight_main_grads.push_back(
+          detail::fused_main_grad(*layer_, weights[i], c10::str("weight", i), /*required=*/true));
     }
-    for (const auto& bias : biases) {
-      const at::Tensor buffer = bias.requires_grad() ? main_grad(bias) : at::Tensor();
-      bias_main_grads.push_back(buffer.defined() ? std::optional(buffer) : std::nullopt);
+    for (size_t i = 0; i < biases.size(); ++i) {
+      bias_main_grads.push_back(
+          detail::fused_main_grad(*layer_, biases[i], c10::str("bias", i), /*required=*/false));
     }
   }
   return ops::grouped_linear(input, m_splits, weights, biases, weight_main_grads, bias_main_grads,

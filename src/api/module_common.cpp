@@ -41,7 +41,10 @@ void reset_linear(const at::Tensor& weight, const at::Tensor& bias) {
 
 std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Tensor& param,
                                           const std::string& what, bool required) {
-  if (!param.defined() || !param.requires_grad()) return std::nullopt;
+  // No backward can reach a frozen parameter, nor one used with grad mode off (an eval forward).
+  if (!param.defined() || !param.requires_grad() || !at::GradMode::is_enabled()) {
+    return std::nullopt;
+  }
   at::Tensor buffer = main_grad(param);
   if (!buffer.defined() && !required) return std::nullopt;
   TORCH_CHECK_VALUE(buffer.defined(), "splitgrad layer '", layer.name(),

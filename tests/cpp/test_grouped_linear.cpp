@@ -169,7 +169,14 @@ TEST(GroupedLinearErrors, FusedWithoutMainGrad) {
   const std::string message = error_message([&] {
     experts(torch::randn({2, kIn}), torch::tensor({1, 1}));
   });
-  EXPECT_CONTAINS(message, "'fused': fuse_wgrad_accumulation=true needs weight1's main_grad");
+  EXPECT_CONTAINS(message, "'fused': fuse_wgrad_accumulation=true needs the weight1's main_grad");
+}
+
+TEST(GroupedLinearErrors, FusedForwardWithoutGradModeNeedsNoMainGrad) {
+  GroupedLinear experts(opts(2).fuse_wgrad_accumulation(true).delay_wgrad_compute(true).name("eval"));
+  torch::NoGradGuard no_grad;
+  EXPECT_NO_THROW(experts(torch::randn({3, kIn}), torch::tensor({1, 2})));
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
 }
 
 TEST(GroupedOps, WgradAccumulateAddsPerGroup) {

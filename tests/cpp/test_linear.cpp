@@ -637,6 +637,18 @@ TEST_F(LinearTest, FusedMainGradBf16AccumulatesInFp32) {
   EXPECT_TRUE(Close(b_main, db_fp32, 1e-5, 1e-5));
 }
 
+TEST_F(LinearTest, FusedForwardWithoutGradModeNeedsNoMainGrad) {
+  // An eval forward (NoGradGuard) of a fused layer: no backward can follow, so no main_grad is
+  // needed and nothing is queued; the output equals F::linear's.
+  Linear fc(opts(16, 8).fuse_wgrad_accumulation(true).delay_wgrad_compute(true).name("eval_fc"));
+  torch::Tensor x = torch::randn({4, 16});
+  torch::NoGradGuard no_grad;
+  torch::Tensor y;
+  ASSERT_NO_THROW(y = fc(x));
+  EXPECT_TRUE(torch::equal(y, torch::nn::functional::linear(x, fc->weight, fc->bias)));
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+}
+
 TEST_F(LinearTest, FusedMainGradMissingOrWrong) {
   Linear fc(opts(16, 8).fuse_wgrad_accumulation(true).name("fused_fc"));
   torch::Tensor x = torch::randn({4, 16});

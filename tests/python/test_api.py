@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import splitgrad
 import splitgrad as te
@@ -327,3 +328,33 @@ def test_a_te_checkpoint_with_extra_state_loads_strictly(make):
     model.load_state_dict(te_state, strict=True)
     for (name, p), q in zip(target.named_parameters(), source.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_fused_module_forward_without_grad_needs_no_main_grad(kind):
+    """An eval or generation forward (no_grad, inference_mode) of a fused model from a checkpoint:
+    no backward can follow, so no main_grad is needed (as in TE, which reads it in the backward),
+    nothing is queued and grad_added_to_main_grad is not claimed; with grad mode on the missing
+    main_grad is still a clear error."""
+    kwargs = dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=True, device="cpu")
+    if kind == "GroupedLinear":
+        module, args = splitgrad.GroupedLinear(2, 8, 6, **kwargs), (torch.randn(5, 8), [2, 3])
+        reference = lambda: torch.cat([F.linear(args[0][:2], module.weight0, module.bias0),  # noqa: E731
+                                       F.linear(args[0][2:], module.weight1, module.bias1)])
+    else:
+        module = getattr(splitgrad, kind)(8, 6, **kwargs)
+        args = (torch.randn(5, 8),)
+        reference = None
+    for p in module.parameters():
+        p.grad_added_to_main_grad = False
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            out = module(*args)
+        assert splitgrad.pending_wgrads() == 0
+        if reference is not None:
+            with torch.no_grad():
+                torch.testing.assert_close(out, reference())
+    assert not any(p.grad_added_to_main_grad for p in module.parameters())
+    with pytest.raises(splitgrad.MainGradError, match="main_grad"):
+        module(*args)
+    assert splitgrad.pending_wgrads() == 0
