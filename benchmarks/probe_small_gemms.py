@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_gemm import wgrad_variants  # noqa: E402  (also registers torch.ops.splitgrad)
 from common import print_table, time_side_by_side, write_results  # noqa: E402
-
-import splitgrad  # noqa: E402,F401  (registers torch.ops.splitgrad)
 
 OPS = torch.ops.splitgrad
 
@@ -37,10 +36,9 @@ def contenders(product, tokens, fin, fout):
     w = torch.randn(fout, fin, device="cuda", dtype=torch.bfloat16, generator=g)
     b = torch.randn(fout, device="cuda", dtype=torch.bfloat16, generator=g)
     dy = torch.randn(tokens, fout, device="cuda", dtype=torch.bfloat16, generator=g)
-    main_grad = torch.zeros(fout, fin, device="cuda", dtype=torch.float32)
-    if product == "wgrad":
-        ours = lambda: OPS.linear_wgrad_accumulate_(dy, x, main_grad, None)  # noqa: E731
-        theirs = lambda: torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)  # noqa: E731
+    if product == "wgrad":  # bench_gemm.py's contenders: into an fp32 main_grad, PyTorch's in-place addmm
+        variants = wgrad_variants(dy, x, torch.zeros(fout, fin, device="cuda"), torch.zeros(fout, device="cuda"))
+        ours, theirs = variants["splitgrad"], variants["(c) addmm"]
     elif product == "fprop":
         ours, theirs = (lambda: OPS.linear_fprop(x, w, None)), (lambda: F.linear(x, w))
     elif product == "fprop+bias":
