@@ -339,22 +339,29 @@ def test_fused_module_forward_without_grad_needs_no_main_grad(kind):
     kwargs = dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=True, device="cpu")
     if kind == "GroupedLinear":
         module, args = splitgrad.GroupedLinear(2, 8, 6, **kwargs), (torch.randn(5, 8), [2, 3])
-        reference = lambda: torch.cat([F.linear(args[0][:2], module.weight0, module.bias0),  # noqa: E731
-                                       F.linear(args[0][2:], module.weight1, module.bias1)])
     else:
-        module = getattr(splitgrad, kind)(8, 6, **kwargs)
-        args = (torch.randn(5, 8),)
-        reference = None
+        module, args = getattr(splitgrad, kind)(8, 6, **kwargs), (torch.randn(5, 8),)
     for p in module.parameters():
         p.grad_added_to_main_grad = False
+    outputs = []
     for context in (torch.no_grad, torch.inference_mode):
         with context():
-            out = module(*args)
+            outputs.append(module(*args))
         assert splitgrad.pending_wgrads() == 0
-        if reference is not None:
-            with torch.no_grad():
-                torch.testing.assert_close(out, reference())
     assert not any(p.grad_added_to_main_grad for p in module.parameters())
     with pytest.raises(splitgrad.MainGradError, match="main_grad"):
         module(*args)
     assert splitgrad.pending_wgrads() == 0
+    # The same output as a training forward (whose gradients the other tests hold to autograd's).
+    for p in module.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    trained = module(*args)
+    trained = trained[0] if isinstance(trained, tuple) else trained
+    trained.sum().backward()
+    module.backward_dw()
+    for out in outputs:
+        assert torch.equal(out, trained.detach())
+    if kind == "GroupedLinear":  # and per-expert F.linear's
+        x = args[0]
+        torch.testing.assert_close(outputs[0], torch.cat([F.linear(x[:2], module.weight0, module.bias0),
+                                                          F.linear(x[2:], module.weight1, module.bias1)]).detach())
