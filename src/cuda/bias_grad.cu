@@ -345,11 +345,15 @@ GroupedLayout grouped_layout(int64_t rows, int64_t cols, int64_t groups, int mul
 template <typename T, typename Out>
 cudaError_t grouped_launch(const GroupedBiasGradArgs& a, cudaStream_t stream) {
   const GroupedLayout l = grouped_layout(a.rows, a.cols, a.groups, a.multiprocessors);
-  auto* const offsets = static_cast<int64_t*>(a.workspace);
   auto* const partials =
       reinterpret_cast<float*>(static_cast<char*>(a.workspace) + l.offsets_bytes);
-  group_offsets<<<1, kOffsetThreads, 0, stream>>>(a.splits, a.groups, a.rows, offsets);
-  if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+  const int64_t* offsets = a.row_offsets;
+  if (offsets == nullptr) {
+    auto* const computed = static_cast<int64_t*>(a.workspace);
+    group_offsets<<<1, kOffsetThreads, 0, stream>>>(a.splits, a.groups, a.rows, computed);
+    if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
+    offsets = computed;
+  }
   if (a.rows > 0) {
     const bool vectorized = reinterpret_cast<uintptr_t>(a.dy) % 16 == 0 &&
                             (a.ld * static_cast<int64_t>(sizeof(T))) % 16 == 0;

@@ -54,6 +54,11 @@ struct GroupedBiasGradArgs {
   /// clamped, never read out of bounds: a negative split counts as 0, rows past `rows` are not
   /// read (splits summing to more), and rows past the splits' sum belong to no group.
   const int64_t* splits = nullptr;
+  /// Optional, device, `groups` + 1 entries: the groups' first rows and the rows at the end, for
+  /// splits already checked (non-negative, summing to `rows`), as the grouped GEMM's argument
+  /// kernel writes them (GroupedGemmArgs::row_offsets); then one launch fewer. Null: computed
+  /// from `splits` here, clamped as above.
+  const int64_t* row_offsets = nullptr;
   int64_t groups = 0;
   /// Device array of `groups` pointers to [cols] contiguous targets of `target_type`; a null entry
   /// skips its group. Groups sharing a target (tied experts) reach it in group order.
@@ -71,7 +76,8 @@ struct GroupedBiasGradArgs {
 size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t groups,
                                          int multiprocessors);
 
-/// Launches three kernels on `stream`: the groups' row offsets from the splits; fp32 partial sums
+/// Launches three kernels on `stream` (two with `row_offsets`): the groups' row offsets from the
+/// splits; fp32 partial sums
 /// of tiles of rows (the tiling of bias_grad(), over all rows whatever the routing, so imbalanced
 /// groups keep every SM busy; a tile crossing a group boundary sums each group's part apart); and
 /// each group's partials added in a fixed order and written (the groups in parallel, but the

@@ -65,14 +65,6 @@ at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& li
   return table;
 }
 
-// A device array of pointers (nullptr where absent).
-at::Tensor device_pointers(const std::vector<const void*>& pointers, const at::Tensor& like) {
-  std::vector<uint64_t> words;
-  words.reserve(pointers.size());
-  for (const void* p : pointers) words.push_back(reinterpret_cast<uint64_t>(p));
-  return device_table(words, like);
-}
-
 // The splits as the grouped kernels read them: int64 on the device. A CPU tensor's values are
 // checked here and written by value; a device tensor's are checked on the device, here by
 // `check_now` (for work that launches no grouped GEMM, whose argument kernel checks them).
@@ -96,14 +88,38 @@ at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::
   return splits;
 }
 
-// Runs a grouped product on the current stream; false where the kernel does not take the
-// arguments after all (the caller loops instead).
-bool launch(detail::Who who, cuda::GroupedGemmArgs args, const at::Tensor& like) {
-  args.multiprocessors = at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
-  const size_t bytes = cuda::grouped_gemm_workspace_bytes(args);
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
-  args.workspace = workspace.data_ptr();
+// What a grouped launch reads per group, put on the device by one launch (host time: each table
+// of its own was an allocation and a launch): the splits as the kernels read them (host splits'
+// values first in the table, checked here; device splits as they are, see device_splits()), then
+// `pointers`.
+struct GroupTable {
+  at::Tensor splits;  ///< int64 on the device: the table's first entries, or the device tensor
+  void** pointers = nullptr;  ///< the device copy of `pointers`
+  at::Tensor table;           ///< keeps the table alive
+};
+GroupTable group_table(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of,
+                       const std::vector<const void*>& pointers, bool check_now = false) {
+  GroupTable out;
+  std::vector<uint64_t> words;
+  int64_t first_pointer = 0;
+  if (m_splits.device().is_cpu()) {
+    const std::vector<int64_t> sizes = detail::split_sizes(who, m_splits, rows_of.size(0));
+    words.assign(sizes.begin(), sizes.end());
+    first_pointer = static_cast<int64_t>(sizes.size());
+  } else {
+    out.splits = device_splits(who, m_splits, rows_of, check_now);
+  }
+  for (const void* p : pointers) words.push_back(reinterpret_cast<uint64_t>(p));
+  out.table = device_table(words, rows_of);
+  if (!out.splits.defined()) out.splits = out.table.narrow(0, 0, first_pointer);
+  out.pointers = reinterpret_cast<void**>(out.table.data_ptr<int64_t>() + first_pointer);
+  return out;
+}
+
+// Runs a grouped product on the current stream in `args.workspace` (which has
+// grouped_gemm_workspace_bytes(args)); false where the kernel does not take the arguments after
+// all (the caller loops instead).
+bool run_grouped_gemm(detail::Who who, const cuda::GroupedGemmArgs& args) {
   const cudaError_t status = cuda::grouped_gemm(args, at::cuda::getCurrentCUDAStream());
   if (status == cudaErrorNotSupported) {
     (void)cudaGetLastError();
@@ -112,6 +128,20 @@ bool launch(detail::Who who, cuda::GroupedGemmArgs args, const at::Tensor& like)
   TORCH_CHECK(status == cudaSuccess, who(), ": the grouped GEMM failed to launch (",
               cudaGetErrorString(status), ")");
   return true;
+}
+
+int multiprocessors_of(const at::Tensor& like) {
+  return at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
+}
+
+// run_grouped_gemm() in a workspace of its own.
+bool launch(detail::Who who, cuda::GroupedGemmArgs args, const at::Tensor& like) {
+  args.multiprocessors = multiprocessors_of(like);
+  const size_t bytes = cuda::grouped_gemm_workspace_bytes(args);
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  args.workspace = workspace.data_ptr();
+  return run_grouped_gemm(who, args);
 }
 
 cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, const at::Tensor& splits,
@@ -145,11 +175,13 @@ at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
 }
 
 // Each group's bias gradient from its rows of dy, in one pass over dy (cuda/bias_grad.h), added
-// to `targets` (one per group of `target_type`, nullptr skips a group; tied targets are reached in
-// group order by the kernel itself).
+// to `targets` (a device array, one per group of `target_type`, nullptr skips a group; tied
+// targets are reached in group order by the kernel itself), in `workspace`
+// (grouped_bias_grad_workspace_bytes()); `row_offsets`, where not null, are the groups' row
+// offsets already on the device (written by the grouped GEMM's argument kernel).
 void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tensor& splits,
-                          const std::vector<const void*>& targets, cudaDataType_t target_type) {
-  const at::Tensor pointers = device_pointers(targets, dy);
+                          void* const* targets, cudaDataType_t target_type, void* workspace,
+                          const int64_t* row_offsets) {
   cuda::GroupedBiasGradArgs args;
   args.dy = dy.data_ptr();
   args.dy_type = CUDA_R_16BF;
@@ -157,16 +189,13 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
   args.cols = dy.size(1);
   args.ld = dy.size(1);
   args.splits = splits.data_ptr<int64_t>();
+  args.row_offsets = row_offsets;
   args.groups = splits.numel();
-  args.targets = reinterpret_cast<void* const*>(pointers.data_ptr());
+  args.targets = targets;
   args.target_type = target_type;
   args.accumulate = true;
-  args.multiprocessors = at::cuda::getDeviceProperties(dy.device().index())->multiProcessorCount;
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(cuda::grouped_bias_grad_workspace_bytes(
-                    args.rows, args.cols, args.groups, args.multiprocessors))},
-                dy.options().dtype(at::kByte));
-  args.workspace = workspace.data_ptr();
+  args.multiprocessors = multiprocessors_of(dy);
+  args.workspace = workspace;
   const cudaError_t status = cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status == cudaSuccess, who(), ": the grouped bias gradient kernel failed (",
               cudaGetErrorString(status), ")");
@@ -225,15 +254,18 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
       grouped_kernels_take({x}, weights)) {
     at::Tensor y = at::empty({x.size(0), out}, input.options());
     const bool has_rows = x.size(0) > 0;
-    const at::Tensor splits =
-        device_splits(who, m_splits, x, /*check_now=*/!has_rows || !biases.empty());
-    if (!has_rows) return shaped(y);
+    if (!has_rows) {
+      device_splits(who, m_splits, x, /*check_now=*/true);
+      return shaped(y);
+    }
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
-    const at::Tensor pointers = device_pointers(weight_pointers, x);
+    const GroupTable table =
+        group_table(who, m_splits, x, weight_pointers, /*check_now=*/!biases.empty());
+    const at::Tensor& splits = table.splits;
     auto args = grouped_args(cuda::GroupedProduct::fprop, splits, x.size(0), x.size(1), out);
     args.tokens = x.data_ptr();
-    args.weights = reinterpret_cast<const void* const*>(pointers.data_ptr());
+    args.weights = table.pointers;
     args.out = y.data_ptr();
     if (!biases.empty()) {
       // y starts as each row's bias and the GEMM adds x·Wᵀ in its epilogue (beta = 1): the sum
@@ -272,15 +304,17 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
   if (in > 0 && dy.size(1) > 0 && !per_expert_loop_is_faster(m_splits, dy.size(0)) &&
       grouped_kernels_take({dy}, weights)) {
     at::Tensor dx = at::empty({dy.size(0), in}, grad_output.options());
-    const bool has_rows = dy.size(0) > 0;
-    const at::Tensor splits = device_splits(who, m_splits, dy, /*check_now=*/!has_rows);
-    if (!has_rows) return shaped(dx);
+    if (dy.size(0) == 0) {
+      device_splits(who, m_splits, dy, /*check_now=*/true);
+      return shaped(dx);
+    }
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
-    const at::Tensor pointers = device_pointers(weight_pointers, dy);
-    auto args = grouped_args(cuda::GroupedProduct::dgrad, splits, dy.size(0), in, dy.size(1));
+    const GroupTable table = group_table(who, m_splits, dy, weight_pointers);
+    auto args =
+        grouped_args(cuda::GroupedProduct::dgrad, table.splits, dy.size(0), in, dy.size(1));
     args.tokens = dy.data_ptr();
-    args.weights = reinterpret_cast<const void* const*>(pointers.data_ptr());
+    args.weights = table.pointers;
     args.out = dx.data_ptr();
     if (launch(who, args, dy)) return shaped(dx);
   }
@@ -298,37 +332,62 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
 
 // The grouped kernel's weight gradients added to `targets` (one per group, nullptr skips it; all
 // contiguous, 16-byte aligned, of `target_type`), and the bias gradients to `bias_targets` (of
-// `bias_type`, or none). False where the kernel does not take them; nothing has run then.
+// `bias_type`, or none). False where the kernel does not take them; no gradient has been written
+// then. Host time: one table for the splits and every launch's targets, one workspace, and the
+// bias kernel takes the row offsets the GEMM's argument kernel writes.
 bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor& x,
-                        const at::Tensor& splits, const std::vector<const void*>& targets,
+                        const at::Tensor& m_splits, const std::vector<const void*>& targets,
                         cudaDataType_t target_type, const std::vector<const void*>& bias_targets,
                         cudaDataType_t bias_type) {
-  if (splits.numel() > 65535) return false;  // the bias kernel's grid has a block row per group
+  const int64_t groups = m_splits.numel();
+  if (groups > 65535) return false;  // the bias kernel's grid has a block row per group
   const size_t target_bytes = static_cast<size_t>(dy.size(1) * x.size(1)) *
                               (target_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
   const auto weight_rounds = rounds_of(targets, target_bytes);
-  if (weight_rounds.empty()) {  // no GEMM checks the splits: check them before the bias sums
-    const cudaError_t status = cuda::check_splits(splits.data_ptr<int64_t>(), splits.numel(),
-                                                  dy.size(0), at::cuda::getCurrentCUDAStream());
-    TORCH_CHECK(status == cudaSuccess, who(), ": the splits' check failed to launch (",
-                cudaGetErrorString(status), ")");
-  }
+  const bool any_bias = std::any_of(bias_targets.begin(), bias_targets.end(),
+                                    [](const void* target) { return target != nullptr; });
+  std::vector<const void*> pointers;  // each round's targets, then the bias targets
+  pointers.reserve((weight_rounds.size() + 1) * static_cast<size_t>(groups));
+  for (const auto& round : weight_rounds) pointers.insert(pointers.end(), round.begin(), round.end());
+  if (any_bias) pointers.insert(pointers.end(), bias_targets.begin(), bias_targets.end());
+  // Without a GEMM no argument kernel checks device splits: check them before the bias sums.
+  const GroupTable table =
+      group_table(who, m_splits, dy, pointers, /*check_now=*/weight_rounds.empty());
+
+  auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, table.splits, dy.size(0),
+                           x.size(1), dy.size(1));
+  args.tokens = dy.data_ptr();
+  args.tokens_in = x.data_ptr();
+  args.target_type = target_type;
+  args.multiprocessors = multiprocessors_of(dy);
+  // One workspace: the GEMM's (the same for every round), the row offsets, the bias kernel's.
+  const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t gemm_bytes =
+      weight_rounds.empty() ? 0 : aligned(cuda::grouped_gemm_workspace_bytes(args));
+  const size_t offsets_bytes = aligned(static_cast<size_t>(groups + 1) * sizeof(int64_t));
+  const size_t bias_bytes = any_bias ? cuda::grouped_bias_grad_workspace_bytes(
+                                           dy.size(0), dy.size(1), groups, args.multiprocessors)
+                                     : 0;
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(gemm_bytes + offsets_bytes + bias_bytes)},
+                dy.options().dtype(at::kByte));
+  char* const base = static_cast<char*>(workspace.data_ptr());
+  auto* const row_offsets = reinterpret_cast<int64_t*>(base + gemm_bytes);
+  args.workspace = base;
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
-    const at::Tensor pointers = device_pointers(weight_rounds[r], dy);
-    auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, splits, dy.size(0), x.size(1),
-                             dy.size(1));
-    args.tokens = dy.data_ptr();
-    args.tokens_in = x.data_ptr();
-    args.targets = reinterpret_cast<void* const*>(pointers.data_ptr());
-    args.target_type = target_type;
-    if (!launch(who, args, dy)) {
+    args.targets = table.pointers + r * static_cast<size_t>(groups);
+    args.row_offsets = r == 0 && any_bias ? row_offsets : nullptr;
+    if (!run_grouped_gemm(who, args)) {
       TORCH_CHECK(r == 0, who(), ": the grouped GEMM took the first targets but not the others");
       return false;
     }
   }
-  const bool any_bias = std::any_of(bias_targets.begin(), bias_targets.end(),
-                                    [](const void* target) { return target != nullptr; });
-  if (any_bias) add_group_bias_grads(who, dy, splits, bias_targets, bias_type);
+  if (any_bias) {
+    add_group_bias_grads(who, dy, table.splits,
+                         table.pointers + weight_rounds.size() * static_cast<size_t>(groups),
+                         bias_type, base + gemm_bytes + offsets_bytes,
+                         weight_rounds.empty() ? nullptr : row_offsets);
+  }
   return true;
 }
 
@@ -345,11 +404,10 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   if (grouped_kernels_take({dy, x}) && dy.size(0) > 0 && out > 0 && in > 0 && groups > 0) {
     // Fresh gradients: zeros, then the grouped kernel adds each group's sum (a group without rows
     // keeps its zeros, as nn.Linear's backward gives it).
-    const at::Tensor splits = device_splits(who, m_splits, dy);
     const at::Tensor weight_grads = at::zeros({groups, out, in}, input.options());
     const at::Tensor bias_sums =
         at::zeros({compute_bias_grad ? groups : 0, out}, input.options().dtype(at::kFloat));
-    if (accumulate_grouped(who, dy, x, splits, slice_pointers(weight_grads), CUDA_R_16BF,
+    if (accumulate_grouped(who, dy, x, m_splits, slice_pointers(weight_grads), CUDA_R_16BF,
                            slice_pointers(bias_sums), CUDA_R_32F)) {
       // One unbind each, not a select per group (host time: ~4 tensor ops per expert before).
       return {weight_grads.unbind(0), compute_bias_grad
@@ -424,7 +482,7 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
     }
     const auto targets = grouped_targets(weight_grads, bias_grads, m_splits.numel());
     if (targets.has_value() &&
-        accumulate_grouped(who, dy, x, device_splits(who, m_splits, dy), targets->weights,
+        accumulate_grouped(who, dy, x, m_splits, targets->weights,
                            targets->weight_type, targets->biases, targets->bias_type)) {
       return;
     }

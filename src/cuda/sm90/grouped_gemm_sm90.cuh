@@ -10,8 +10,10 @@
 //   wgrad  M = out, N = in, K = r:  A = dy[o_g:]ᵀ (M-major),    B = x[o_g:] (N-major),
 //          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue.
 #include <cute/tensor.hpp>
+#include <atomic>
 #include <cstdlib>
 #include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
 #include <cutlass/epilogue/collective/collective_builder.hpp>
 #include <cutlass/gemm/collective/collective_builder.hpp>
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
@@ -122,6 +124,10 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
     int64_t offset = 0;  // groups are few (experts): the prefix sum per thread is cheap
     for (int64_t j = 0; j < g; ++j) offset += args.splits[j];
     const int rows = static_cast<int>(args.splits[g]);
+    if (args.row_offsets != nullptr) {  // the splits are checked: no clamping needed
+      args.row_offsets[g] = offset;
+      if (g == args.groups - 1) args.row_offsets[g + 1] = offset + rows;
+    }
     if constexpr (kProduct == GroupedProduct::fprop) {
       out.problems[g] = Problem(rows, out_features, in);
       out.a[g] = tokens + offset * in;
@@ -206,6 +212,30 @@ size_t workspace_bytes(const GroupedGemmArgs& args) {
   return WorkspaceLayout::of<K>(args.groups, kernel_bytes).total;
 }
 
+// The kernel's attributes (its shared memory, clusters of any size), which CUTLASS's adapter sets
+// with two driver calls on every launch: set once per device here (host time).
+template <class K>
+cudaError_t configure_once() {
+  static std::atomic<uint64_t> configured{0};  // bit d: device d's done (devices past 63: always)
+  int device = 0;
+  if (const cudaError_t error = cudaGetDevice(&device); error != cudaSuccess) return error;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit != 0 && (configured.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
+  const auto* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<typename K::Kernel>);
+  if (const cudaError_t error = cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, K::Kernel::SharedStorageSize);
+      error != cudaSuccess) {
+    return error;
+  }
+  if (const cudaError_t error =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      error != cudaSuccess) {
+    return error;
+  }
+  configured.fetch_or(bit, std::memory_order_release);
+  return cudaSuccess;
+}
+
 template <class K, GroupedProduct kProduct>
 cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
   if (args.groups <= 0) return cudaSuccess;
@@ -218,14 +248,32 @@ cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
   fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays);
   if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
   const auto arguments = kernel_arguments<K>(args, arrays, beta);
-  typename K::Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
-  if (gemm.initialize(arguments, static_cast<char*>(args.workspace) + w.kernel, stream) !=
+  if (K::Gemm::can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
+  // What GemmUniversalAdapter::initialize() and run() do, less the per-launch attribute calls.
+  void* const kernel_workspace = static_cast<char*>(args.workspace) + w.kernel;
+  if (K::Kernel::initialize_workspace(arguments, kernel_workspace, stream) !=
       cutlass::Status::kSuccess) {
     return cudaErrorNotSupported;
   }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaGetLastError();
-  return cudaGetLastError();
+  if (const cudaError_t error = configure_once<K>(); error != cudaSuccess) return error;
+  typename K::Kernel::Params params = K::Kernel::to_underlying_arguments(arguments, kernel_workspace);
+  using Cluster = typename K::Kernel::DispatchPolicy::ClusterShape;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cute::size<0>(Cluster{});
+  cluster.val.clusterDim.y = cute::size<1>(Cluster{});
+  cluster.val.clusterDim.z = cute::size<2>(Cluster{});
+  cudaLaunchConfig_t config{};
+  config.gridDim = K::Kernel::get_grid_shape(params);
+  config.blockDim = K::Kernel::get_block_shape();
+  config.dynamicSmemBytes = K::Kernel::SharedStorageSize;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  void* kernel_params[] = {&params};
+  return cudaLaunchKernelExC(
+      &config, reinterpret_cast<const void*>(&cutlass::device_kernel<typename K::Kernel>),
+      kernel_params);
 }
 
 }  // namespace splitgrad::cuda::sm90
