@@ -201,13 +201,10 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
   const bool complete = !ps->second.incomplete;
   state.passes.erase(ps);
   if (complete && !state.hooks.empty()) {
-    at::Tensor param(state.impl.lock());
-    if (param.defined()) {
-      Firing firing{std::move(param), {}};
-      firing.hooks.reserve(state.hooks.size());
-      for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
-      out.push_back(std::move(firing));
-    }
+    Firing firing{state.impl, {}};
+    firing.hooks.reserve(state.hooks.size());
+    for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
+    out.push_back(std::move(firing));
   }
   if (state.passes.empty() && state.hooks.empty() && state.dropped == 0) params_.erase(it);
 }
@@ -217,9 +214,11 @@ void GradLedger::fire(std::vector<Firing>& firings) {
   // skipped now would never run for them. The first exception is rethrown once all have run.
   std::exception_ptr first_error;
   for (auto& firing : firings) {
+    const at::Tensor param(firing.param.lock());
+    if (!param.defined()) continue;  // freed since it settled: nothing to report on
     for (auto& hook : firing.hooks) {
       try {
-        hook(firing.param);
+        hook(param);
       } catch (...) {
         if (!first_error) first_error = std::current_exception();
       }

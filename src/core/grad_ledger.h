@@ -91,8 +91,11 @@ class GradLedger {
     int64_t dropped = 0;  // deferred contributions dropped, over the parameter's life
   };
   using Key = const c10::TensorImpl*;
+  // The parameter is held weakly until fire(): a strong reference made under mutex_ would, for a
+  // tensor with a Python object, take the GIL while holding mutex_ (PyTorch takes it for the
+  // first C++ reference beside the Python one), the reverse of a Python caller's order.
   struct Firing {
-    at::Tensor param;
+    WeakTensor param;
     std::vector<GradReadyHook> hooks;
   };
 

@@ -164,6 +164,21 @@ void notify_main_grad_accumulated(const at::Tensor& param) {
   if (const auto callback = main_grad_accumulated_callback()) callback(param);
 }
 
+namespace {
+std::atomic<std::shared_ptr<void> (*)()>& reference_batch_hook() {
+  static std::atomic<std::shared_ptr<void> (*)()> hook{nullptr};
+  return hook;
+}
+}  // namespace
+
+void set_reference_batch_hook(std::shared_ptr<void> (*hook)()) {
+  reference_batch_hook().store(hook, std::memory_order_release);
+}
+
+ReferenceBatch::ReferenceBatch() {
+  if (const auto hook = reference_batch_hook().load(std::memory_order_acquire)) held_ = hook();
+}
+
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks) {
   // A .grad made here must outlive inference mode; InferenceMode(false) also turns grad mode on,
@@ -379,13 +394,13 @@ namespace {
 
 // Why an item can no longer run (a stashed tensor changed in place), or "" if it can.
 std::string stale_reason(const DeferredWgrad& item) {
-  // The weight's shape tells a module's GEMMs apart (a LayerNormMLP's fc1 from its fc2).
-  const at::Tensor weight(item.weight.lock());
-  const std::string for_weight =
-      weight.defined() ? c10::str(", for the weight of shape ", weight.sizes(), ",") : "";
   auto check = [&](const at::Tensor& t, uint32_t saved, const char* what) -> std::string {
     const uint32_t now = t._version();
     if (now == saved) return "";
+    // The weight's shape tells a module's GEMMs apart (a LayerNormMLP's fc1 from its fc2).
+    const at::Tensor weight(item.weight.lock());
+    const std::string for_weight =
+        weight.defined() ? c10::str(", for the weight of shape ", weight.sizes(), ",") : "";
     return c10::str(detail::layer_label(item.layer), ": the ", what,
                     " stashed for its deferred weight gradient was modified in place after the "
                     "backward pass that queued it (its version is now ",
@@ -395,12 +410,15 @@ std::string stale_reason(const DeferredWgrad& item) {
   };
   // With an input activation the stash is the activation's input (a LayerNormMLP's fc2 keeps
   // fc1's output): say so, naming the activation, so the message points at the right GEMM.
-  const std::string input_name =
-      item.input_activation.empty()
-          ? std::string("input")
-          : c10::str("input of its activation \"", item.input_activation,
-                     "\" (in a LayerNormMLP: fc2's, fc1's output)");
-  std::string reason = check(item.input, item.input_version, input_name.c_str());
+  std::string reason;
+  if (item.input._version() != item.input_version) {
+    const std::string input_name =
+        item.input_activation.empty()
+            ? std::string("input")
+            : c10::str("input of its activation \"", item.input_activation,
+                       "\" (in a LayerNormMLP: fc2's, fc1's output)");
+    reason = check(item.input, item.input_version, input_name.c_str());
+  }
   if (reason.empty()) reason = check(item.grad_output, item.grad_output_version, "grad_output");
   if (reason.empty() && item.m_splits.defined()) {
     reason = check(item.m_splits, item.m_splits_version, "m_splits");
@@ -677,21 +695,38 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
   }
   for (size_t i = 0; i < runnable.size(); ++i) {
     DeferredWgrad& item = runnable[i];
-    try {
-      // Parameters freed since the item was queued get nothing (their main_grad neither); the
-      // contribution is reported, not lost silently.
-      auto live_sinks = [&](const core::WeakTensor& weak_weight, const core::WeakTensor& weak_bias,
-                            const at::Tensor& weight_main_grad, const at::Tensor& bias_main_grad) {
-        const at::Tensor weight(weak_weight.lock()), bias(weak_bias.lock());
-        warn_if_freed(item, weak_weight, weight, "weight");
-        warn_if_freed(item, weak_bias, bias, "bias");
-        return detail::WgradSinks{weight, bias, weight.defined() ? weight_main_grad : at::Tensor(),
-                                  bias.defined() ? bias_main_grad : at::Tensor()};
-      };
+    // Parameters freed since the item was queued get nothing (their main_grad neither); the
+    // contribution is reported, not lost silently.
+    auto live_sinks = [&](const core::WeakTensor& weak_weight, const core::WeakTensor& weak_bias,
+                          const at::Tensor& weight_main_grad, const at::Tensor& bias_main_grad) {
+      const at::Tensor weight(weak_weight.lock()), bias(weak_bias.lock());
+      warn_if_freed(item, weak_weight, weight, "weight");
+      warn_if_freed(item, weak_bias, bias, "bias");
+      return detail::WgradSinks{weight, bias, weight.defined() ? weight_main_grad : at::Tensor(),
+                                bias.defined() ? bias_main_grad : at::Tensor()};
+    };
+    // The item's parameters are referenced once, for the whole item, and those references (and
+    // the item's own) dropped together: each in a ReferenceBatch.
+    std::vector<at::Tensor> targets;
+    std::vector<detail::WgradSinks> sinks;
+    {
+      const detail::ReferenceBatch references;
+      targets = item.targets();
       if (item.groups.empty()) {
-        const detail::WgradSinks sinks =
-            live_sinks(item.weight, item.bias, item.weight_main_grad, item.bias_main_grad);
-        if (sinks.weight.defined() || sinks.bias.defined()) {
+        sinks.push_back(
+            live_sinks(item.weight, item.bias, item.weight_main_grad, item.bias_main_grad));
+      } else {
+        sinks.reserve(item.groups.size());
+        for (const auto& group : item.groups) {
+          sinks.push_back(
+              live_sinks(group.weight, group.bias, group.weight_main_grad, group.bias_main_grad));
+        }
+      }
+    }
+    try {
+      if (item.groups.empty()) {
+        const detail::WgradSinks& single = sinks.front();
+        if (single.weight.defined() || single.bias.defined()) {
           // The GEMM's input, recomputed from the stashed activation input only now and freed
           // right after the GEMM (the same kernels on the same tensor: the forward's bit for bit).
           // Without grad mode: the stash requires grad, and backward_dw() may run with grad mode
@@ -700,15 +735,9 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
             const at::NoGradGuard no_grad;
             return ops::activation(item.input, item.input_activation);
           }();
-          detail::accumulate_wgrad(item.grad_output, input, sinks);
+          detail::accumulate_wgrad(item.grad_output, input, single);
         }
       } else {
-        std::vector<detail::WgradSinks> sinks;
-        sinks.reserve(item.groups.size());
-        for (const auto& group : item.groups) {
-          sinks.push_back(
-              live_sinks(group.weight, group.bias, group.weight_main_grad, group.bias_main_grad));
-        }
         detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks);
       }
     } catch (...) {
@@ -720,8 +749,11 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
     }
     keep_until_read(item);
     const core::PassId pass = item.pass;
-    const std::vector<at::Tensor> targets = item.targets();
-    item = DeferredWgrad{};              // free the stashed activations before the hooks run
+    {
+      const detail::ReferenceBatch references;
+      sinks.clear();
+      item = DeferredWgrad{};  // free the stashed activations before the hooks run
+    }
     in_flight.settled(batch, index[i]);  // landed: hooks see it no longer pending
     try {
       // Under one ledger lock; every target lands before any hook runs.
@@ -730,6 +762,8 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
       restore_after(i);
       throw;
     }
+    const detail::ReferenceBatch references;
+    targets.clear();
   }
 }
 

@@ -56,6 +56,13 @@ std::function<void(Args...)> python_callback(py::function fn) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "splitgrad's C++ core: the deferred-wgrad store and grad-ready hooks";
 
+  // backward_dw() takes and drops its parameters' references in batches: with the GIL held for a
+  // batch, PyTorch's per-tensor GIL round trips for Python-owned tensors are cheap re-entries.
+  splitgrad::detail::set_reference_batch_hook([]() -> std::shared_ptr<void> {
+    if (!Py_IsInitialized()) return nullptr;  // as PyTorch's own reference counting checks
+    return std::make_shared<py::gil_scoped_acquire>();
+  });
+
   py::class_<splitgrad::LayerHandle, std::shared_ptr<splitgrad::LayerHandle>>(m, "LayerHandle")
       .def(py::init<std::string>(), py::arg("name"))
       .def_property_readonly("id", &splitgrad::LayerHandle::id)
