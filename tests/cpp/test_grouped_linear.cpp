@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "ops/deferred_internal.h"
 #include "splitgrad/splitgrad.h"
 #include "test_helpers.h"
 
@@ -133,6 +136,41 @@ TEST_P(GroupedLinearTest, FusedMainGrad) {
     EXPECT_FALSE(experts->weights[i].grad().defined());
     EXPECT_TRUE(Bitwise(main_grads[i], w_ref[i].grad())) << "weight" << i;
     EXPECT_TRUE(experts->biases[i].grad().defined()) << "a bias without main_grad gets .grad";
+  }
+}
+
+// backward_dw() takes and drops an item's references (its parameters', main_grads', stashed
+// tensors') in three ReferenceBatch scopes whatever the number of experts, not one per tensor:
+// with the Python module each scope holds the GIL once (ops/deferred_internal.h).
+std::atomic<int> reference_batches{0};
+std::shared_ptr<void> count_reference_batch() {
+  reference_batches.fetch_add(1);
+  return nullptr;
+}
+
+TEST(GroupedLinearHostWork, BackwardDwBatchesItsReferencesPerItemNotPerExpert) {
+  for (const int64_t experts : {2, 16}) {
+    GroupedLinear layer(opts(experts).delay_wgrad_compute(true).fuse_wgrad_accumulation(true));
+    auto w_ref = clones(layer->weights);
+    std::vector<torch::Tensor> main_grads;
+    for (size_t i = 0; i < layer->weights.size(); ++i) {
+      main_grads.push_back(torch::zeros({kOut, kIn}));
+      splitgrad::set_main_grad(layer->weights[i], main_grads.back());
+      splitgrad::set_main_grad(layer->biases[i], torch::zeros({kOut}));
+    }
+    const std::vector<int64_t> splits(static_cast<size_t>(experts), 1);
+    torch::Tensor x = torch::randn({experts, kIn});
+    torch::Tensor g = torch::randn({experts, kOut});
+    layer(x, torch::tensor(splits)).backward(g);
+    reference(x, splits, w_ref, clones(layer->biases)).backward(g);
+    reference_batches = 0;
+    splitgrad::detail::set_reference_batch_hook(&count_reference_batch);
+    layer->backward_dw();
+    splitgrad::detail::set_reference_batch_hook(nullptr);
+    EXPECT_EQ(reference_batches.load(), 3) << experts << " experts";
+    for (size_t i = 0; i < main_grads.size(); ++i) {
+      EXPECT_TRUE(Bitwise(main_grads[i], w_ref[i].grad())) << "weight" << i;
+    }
   }
 }
 

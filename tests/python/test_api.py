@@ -313,6 +313,63 @@ def test_a_layers_backward_dw_waits_for_its_work_in_another_thread_without_holdi
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+def test_grouped_backward_dw_in_threads_while_the_main_thread_calls_in_holding_the_gil():
+    """backward_dw() takes the GIL for batches of reference work (its parameters' and main_grads'
+    references) and must never wait for a splitgrad lock meanwhile: two threads run GroupedLinear
+    layers' deferred work with grad-ready hooks while the main thread, holding the GIL, registers
+    hooks and reads the pending counts in a loop. In a subprocess, so that a deadlock fails the
+    test; every hook fires once per pass and the gradients equal autograd's."""
+    script = textwrap.dedent("""
+        import threading, torch, splitgrad
+        torch.manual_seed(0)
+        splits = [3, 0, 5, 2]
+        layers = [splitgrad.GroupedLinear(4, 8, 8, device="cpu", delay_wgrad_compute=True,
+                                          fuse_wgrad_accumulation=fused) for fused in (True, False)]
+        for p in layers[0].parameters():
+            p.main_grad = torch.zeros_like(p)
+        references = [{n: p.detach().clone().requires_grad_() for n, p in layer.named_parameters()}
+                      for layer in layers]
+        inputs = [torch.randn(10, 8) for _ in range(60)]
+        fired = {id(p): 0 for layer in layers for p in layer.parameters()}
+        lock = threading.Lock()
+        def count(param):
+            with lock:
+                fired[id(param)] += 1
+        for layer in layers:
+            for p in layer.parameters():
+                splitgrad.register_grad_ready_hook(p, count)
+        errors = []
+        def train(layer):
+            try:
+                for x in inputs:
+                    layer(x, splits).square().sum().backward()
+                    splitgrad.backward_dw_all(layer.parameters())
+            except Exception as error:
+                errors.append(error)
+        threads = [threading.Thread(target=train, args=(layer,)) for layer in layers]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            splitgrad.pending_wgrads()
+            splitgrad.register_grad_ready_hook(layers[0].weight0, lambda p: None).remove()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert set(fired.values()) == {len(inputs)}, fired
+        for layer, ref in zip(layers, references):
+            for x in inputs:
+                ys = [torch.nn.functional.linear(part, ref[f"weight{i}"], ref[f"bias{i}"])
+                      for i, part in enumerate(x.split(splits))]
+                torch.cat(ys).square().sum().backward()
+            for name, p in layer.named_parameters():
+                got = p.main_grad if hasattr(p, "main_grad") else p.grad
+                torch.testing.assert_close(got, ref[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("make", [
     lambda: splitgrad.Linear(4, 3, device="cpu"),
     lambda: splitgrad.LayerNormMLP(4, 8, device="cpu"),
