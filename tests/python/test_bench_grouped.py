@@ -89,3 +89,21 @@ def test_unknown_shape_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--tiny", "--shapes", "dsv3-gate-up-8"])
     assert "--shapes: unknown ['dsv3-gate-up-8']" in capsys.readouterr().err
+
+
+def test_host_profile_script_lists_the_grouped_ops_work_inside_backward_dw(capsys):
+    """benchmarks/profile_grouped_host.py on the CPU: each case's time per backward_dw(), then
+    the profiled entries inside it, where the grouped cases show the grouped op."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        profile = importlib.import_module("profile_grouped_host")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert profile.main(["--experts", "4", "--features", "8", "--tokens", "16", "--calls", "3", "--top", "40"]) == 0
+    out = capsys.readouterr().out
+    sections = out.split("\n\n")
+    for case in ("Linear", "Grouped, list", "Grouped, tensor"):
+        assert any(line.startswith(case) and "per backward_dw()" in line for line in sections[0].splitlines()), out
+        section = next(s for s in sections[1:] if s.startswith(f"{case}: self CPU time inside backward_dw()"))
+        op = "splitgrad::linear_wgrad_accumulate_" if case == "Linear" else "splitgrad::grouped_linear_wgrad_accumulate_"
+        assert op in section, section
