@@ -290,10 +290,31 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
                                               bias_targets);
       }
     }
+    // A .grad already there gets its group's value with add_'s arithmetic, all such .grads in
+    // one multi-tensor add (one launch, not one per parameter). A parameter reached by several
+    // groups (tied experts) adds them one at a time, in group order, as autograd does.
+    std::unordered_map<const c10::TensorImpl*, int> reached;
+    reached.reserve(2 * groups);
     for (size_t i = 0; i < groups; ++i) {
-      if (weight_to_grad[i]) add_to_grad(sinks[i].weight, fresh_weight[i]);
-      if (bias_value[i]) add_to_grad(sinks[i].bias, fresh_bias[i]);
+      if (weight_to_grad[i]) ++reached[sinks[i].weight.unsafeGetTensorImpl()];
+      if (bias_value[i]) ++reached[sinks[i].bias.unsafeGetTensorImpl()];
     }
+    std::vector<at::Tensor> grads, values;
+    const auto add = [&](const at::Tensor& param, const at::Tensor& value) {
+      const at::Tensor& grad = param.mutable_grad();
+      if (reached[param.unsafeGetTensorImpl()] == 1 && grad.defined() &&
+          grad.layout() == at::kStrided) {
+        grads.push_back(grad);
+        values.push_back(value);
+      } else {
+        add_to_grad(param, value);
+      }
+    };
+    for (size_t i = 0; i < groups; ++i) {
+      if (weight_to_grad[i]) add(sinks[i].weight, fresh_weight[i]);
+      if (bias_value[i]) add(sinks[i].bias, fresh_bias[i]);
+    }
+    if (!grads.empty()) at::_foreach_add_(grads, values);
   }
   const auto callback = main_grad_accumulated_callback();  // read once for all groups
   if (!callback) return;

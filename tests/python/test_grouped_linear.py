@@ -166,6 +166,32 @@ def test_experts_tied_to_each_other(delay):
     _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kept_grads_get_add_of_the_grouped_values_tied_in_group_order(device, dtype):
+    """.grads already there get each expert's value with add_'s arithmetic (backward_dw() adds
+    them all in one multi-tensor add), bit for bit: old + value, and for experts tied to each
+    other (old + value_1) + value_3, in group order. The values are the grouped op's own, which
+    backward_dw() runs."""
+    layer = _layer(device=device, dtype=dtype, n=5, delay_wgrad_compute=True)
+    layer.weight3 = layer.weight1
+    splits = [3, 2, 0, 4, 5]
+    x, gy = _data(splits, dtype=dtype, device=device)
+    old = {name: torch.randn(p.shape).to(dtype=dtype, device=device) for name, p in layer.named_parameters()}
+    for name, p in layer.named_parameters():
+        p.grad = old[name].clone()
+    layer(x, splits).backward(gy)
+    layer.backward_dw()
+    weight_values, bias_values = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), True)
+    expected = {name: grad.clone() for name, grad in old.items()}
+    for i in range(5):
+        weight_name = "weight1" if i == 3 else f"weight{i}"
+        expected[weight_name].add_(weight_values[i])
+        expected[f"bias{i}"].add_(bias_values[i])
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
 @pytest.mark.parametrize("grouped_delay", [False, True], ids=["grouped-regular", "grouped-delayed"])
 def test_expert_tied_to_another_layer(linear_delay, grouped_delay):
