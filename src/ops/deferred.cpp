@@ -13,12 +13,14 @@
 #include <array>
 #include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 
 #include "ops/checks.h"
 #include "ops/deferred_internal.h"
@@ -140,6 +142,24 @@ void add_to_grad(const at::Tensor& param, at::Tensor value) {
   }
   if (grad.layout() != at::kStrided) grad = grad.to_dense();
   grad.add_(value);
+}
+
+// Whether any two of `tensors` overlap in memory (byte ranges of their storages' spans).
+bool shares_memory(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [first byte, last byte + 1)
+  spans.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    int64_t last = 0;  // the last element's offset from the first, in elements
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+    spans.emplace_back(first, first + static_cast<uintptr_t>((last + 1) * t.element_size()));
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
 }
 
 std::optional<at::Tensor> optional_if_defined(const at::Tensor& t) {
@@ -314,7 +334,13 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
       if (weight_to_grad[i]) add(sinks[i].weight, fresh_weight[i]);
       if (bias_value[i]) add(sinks[i].bias, fresh_bias[i]);
     }
-    if (!grads.empty()) at::_foreach_add_(grads, values);
+    // One launch writes every .grad at once: two .grads sharing memory (one tensor set as the
+    // .grad of two parameters) would race there, so those go one at a time.
+    if (shares_memory(grads)) {
+      for (size_t i = 0; i < grads.size(); ++i) grads[i].add_(values[i]);
+    } else if (!grads.empty()) {
+      at::_foreach_add_(grads, values);
+    }
   }
   const auto callback = main_grad_accumulated_callback();  // read once for all groups
   if (!callback) return;

@@ -192,6 +192,26 @@ def test_kept_grads_get_add_of_the_grouped_values_tied_in_group_order(device, dt
         torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device):
+    """A tensor set as the .grad of two experts' weights gets both values, each with add_, in
+    group order, as autograd's in-place accumulation gives it (not one value lost to a race)."""
+    layer = _layer(device=device, n=3, delay_wgrad_compute=True, bias=False)
+    shared = torch.randn(OUT, IN, device=device)
+    layer.weight0.grad = shared
+    layer.weight2.grad = shared
+    splits = [4, 1, 3]
+    x, gy = _data(splits, device=device)
+    expected = shared.clone()
+    layer(x, splits).backward(gy)
+    layer.backward_dw()
+    values, _ = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), False)
+    expected.add_(values[0]).add_(values[2])
+    assert layer.weight0.grad is shared and layer.weight2.grad is shared
+    torch.testing.assert_close(shared, expected, rtol=0, atol=0)
+    torch.testing.assert_close(layer.weight1.grad, values[1], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
 @pytest.mark.parametrize("grouped_delay", [False, True], ids=["grouped-regular", "grouped-delayed"])
 def test_expert_tied_to_another_layer(linear_delay, grouped_delay):
