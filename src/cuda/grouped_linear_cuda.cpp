@@ -311,8 +311,7 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     const GroupTable table = group_table(who, m_splits, dy, weight_pointers);
-    auto args =
-        grouped_args(cuda::GroupedProduct::dgrad, table.splits, dy.size(0), in, dy.size(1));
+    auto args = grouped_args(cuda::GroupedProduct::dgrad, table.splits, dy.size(0), in, dy.size(1));
     args.tokens = dy.data_ptr();
     args.weights = table.pointers;
     args.out = dx.data_ptr();
@@ -348,7 +347,8 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
                                     [](const void* target) { return target != nullptr; });
   std::vector<const void*> pointers;  // each round's targets, then the bias targets
   pointers.reserve((weight_rounds.size() + 1) * static_cast<size_t>(groups));
-  for (const auto& round : weight_rounds) pointers.insert(pointers.end(), round.begin(), round.end());
+  for (const auto& round : weight_rounds)
+    pointers.insert(pointers.end(), round.begin(), round.end());
   if (any_bias) pointers.insert(pointers.end(), bias_targets.begin(), bias_targets.end());
   // Without a GEMM no argument kernel checks device splits: check them before the bias sums.
   const GroupTable table =
@@ -482,8 +482,8 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
     }
     const auto targets = grouped_targets(weight_grads, bias_grads, m_splits.numel());
     if (targets.has_value() &&
-        accumulate_grouped(who, dy, x, m_splits, targets->weights,
-                           targets->weight_type, targets->biases, targets->bias_type)) {
+        accumulate_grouped(who, dy, x, m_splits, targets->weights, targets->weight_type,
+                           targets->biases, targets->bias_type)) {
       return;
     }
   }

@@ -256,7 +256,8 @@ cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
     return cudaErrorNotSupported;
   }
   if (const cudaError_t error = configure_once<K>(); error != cudaSuccess) return error;
-  typename K::Kernel::Params params = K::Kernel::to_underlying_arguments(arguments, kernel_workspace);
+  typename K::Kernel::Params params =
+      K::Kernel::to_underlying_arguments(arguments, kernel_workspace);
   using Cluster = typename K::Kernel::DispatchPolicy::ClusterShape;
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;
