@@ -60,7 +60,7 @@ PYBIND11_MODULE(_C, m) {
   // batch, PyTorch's per-tensor GIL round trips for Python-owned tensors are cheap re-entries.
   splitgrad::detail::set_reference_batch_hook([]() -> std::shared_ptr<void> {
     if (!Py_IsInitialized()) return nullptr;  // as PyTorch's own reference counting checks
-    return std::make_shared<py::gil_scoped_acquire>();
+    return std::make_shared<GilHeld>();  // not pybind11's: see GilHeld
   });
 
   py::class_<splitgrad::LayerHandle, std::shared_ptr<splitgrad::LayerHandle>>(m, "LayerHandle")
