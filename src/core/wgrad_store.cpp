@@ -197,11 +197,15 @@ std::vector<DeferredWgrad> WgradStore::take_feeding(const std::vector<at::Tensor
   return taken;
 }
 
-void WgradStore::restore(std::vector<DeferredWgrad> items) {
+std::vector<DeferredWgrad> WgradStore::restore(std::vector<DeferredWgrad> items) {
+  std::vector<DeferredWgrad> released;
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto& item : items) {
     auto it = queues_.find(item.layer);
-    if (it == queues_.end()) continue;  // the layer was released meanwhile: its work goes with it
+    if (it == queues_.end()) {  // the layer was released meanwhile: its work goes with it
+      released.push_back(std::move(item));
+      continue;
+    }
     it->second.per_pass[item.pass] += 1;
     auto& queue = it->second.items;
     auto pos =
@@ -210,6 +214,7 @@ void WgradStore::restore(std::vector<DeferredWgrad> items) {
     queue.insert(pos, std::move(item));
     pending_ += 1;
   }
+  return released;
 }
 
 size_t WgradStore::pending() const {

@@ -102,8 +102,10 @@ class WgradStore {
   std::vector<DeferredWgrad> take_all();
   /// Takes every queued item that feeds one of `params` (all of them when empty), oldest first.
   std::vector<DeferredWgrad> take_feeding(const std::vector<at::Tensor>& params);
-  /// Puts items taken earlier back in place (same order as before they were taken).
-  void restore(std::vector<DeferredWgrad> items);
+  /// Puts items taken earlier back in place (same order as before they were taken). Returns
+  /// those whose layer was released meanwhile, for the caller to drop outside any lock (freeing
+  /// a stashed tensor with a Python object takes the GIL).
+  std::vector<DeferredWgrad> restore(std::vector<DeferredWgrad> items);
 
   /// Number of queued items, in all layers or in one.
   size_t pending() const;

@@ -266,14 +266,22 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
     weight_targets.reserve(groups);
     bias_targets.reserve(groups);
+    // How many groups reach each bias: a bias tied across experts gets its groups' values summed
+    // before its .grad is added to (below), so it does not take the in-place bias kernel there.
+    std::unordered_map<const c10::TensorImpl*, int> bias_groups;
+    for (const auto& sink : sinks) {
+      if (sink.bias.defined()) ++bias_groups[sink.bias.unsafeGetTensorImpl()];
+    }
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
       const at::Tensor bias_grad = sink.bias.defined() ? sink.bias.grad() : at::Tensor();
       bias_in_place[i] =
-          sink.bias.defined() && (sink.bias_main_grad.defined() ||
-                                  (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-                                   bias_grad.scalar_type() == grad_output.scalar_type()));
+          sink.bias.defined() &&
+          (sink.bias_main_grad.defined() ||
+           (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+            bias_grad.scalar_type() == grad_output.scalar_type() &&
+            bias_groups[sink.bias.unsafeGetTensorImpl()] == 1));
       bias_value[i] = sink.bias.defined() && !bias_in_place[i];
       any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
       any_bias_value |= static_cast<bool>(bias_value[i]);
@@ -310,29 +318,40 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
                                               bias_targets);
       }
     }
-    // A .grad already there gets its group's value with add_'s arithmetic, all such .grads in
-    // one multi-tensor add (one launch, not one per parameter). A parameter reached by several
-    // groups (tied experts) adds them one at a time, in group order, as autograd does.
-    std::unordered_map<const c10::TensorImpl*, int> reached;
-    reached.reserve(2 * groups);
-    for (size_t i = 0; i < groups; ++i) {
-      if (weight_to_grad[i]) ++reached[sinks[i].weight.unsafeGetTensorImpl()];
-      if (bias_value[i]) ++reached[sinks[i].bias.unsafeGetTensorImpl()];
-    }
-    std::vector<at::Tensor> grads, values;
-    const auto add = [&](const at::Tensor& param, const at::Tensor& value) {
-      const at::Tensor& grad = param.mutable_grad();
-      if (reached[param.unsafeGetTensorImpl()] == 1 && grad.defined() &&
-          grad.layout() == at::kStrided) {
-        grads.push_back(grad);
-        values.push_back(value);
+    // Each parameter's values of this item are summed first where several groups reach it (tied
+    // experts), in reverse group order (the order the per-expert reference's backward reaches
+    // them), so that its .grad gets one add, as AccumulateGrad gets the pass's sum:
+    // old + (v1 + v3). Then .grads already there get their sums with add_'s arithmetic, those
+    // that cannot fail in one multi-tensor add (one launch, not one per parameter).
+    std::unordered_map<const c10::TensorImpl*, size_t> slot;
+    slot.reserve(2 * groups);
+    std::vector<at::Tensor> params_to_grad, sums;
+    const auto collect = [&](const at::Tensor& param, const at::Tensor& value) {
+      const auto [it, first] = slot.emplace(param.unsafeGetTensorImpl(), params_to_grad.size());
+      if (first) {
+        params_to_grad.push_back(param);
+        sums.push_back(value);
       } else {
-        add_to_grad(param, value);
+        sums[it->second] = sums[it->second] + value;
       }
     };
-    for (size_t i = 0; i < groups; ++i) {
-      if (weight_to_grad[i]) add(sinks[i].weight, fresh_weight[i]);
-      if (bias_value[i]) add(sinks[i].bias, fresh_bias[i]);
+    for (size_t i = groups; i-- > 0;) {
+      if (weight_to_grad[i]) collect(sinks[i].weight, fresh_weight[i]);
+      if (bias_value[i]) collect(sinks[i].bias, fresh_bias[i]);
+    }
+    std::vector<at::Tensor> grads, values;
+    for (size_t p = 0; p < params_to_grad.size(); ++p) {
+      const at::Tensor& grad = params_to_grad[p].mutable_grad();
+      // Those the multi-tensor add cannot fail on; the others (none yet, another dtype, an
+      // inference tensor, ...) first, one at a time, so an error leaves the batch unwritten.
+      if (grad.defined() && grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
+          !grad.is_inference() && grad.scalar_type() == sums[p].scalar_type() &&
+          grad.device() == sums[p].device()) {
+        grads.push_back(grad);
+        values.push_back(sums[p]);
+      } else {
+        add_to_grad(params_to_grad[p], sums[p]);
+      }
     }
     // One launch writes every .grad at once: two .grads sharing memory (one tensor set as the
     // .grad of two parameters) would race there, so those go one at a time.
@@ -535,8 +554,11 @@ class InFlight {
 
   // Puts items of `batch` back on the store (`indices`: their places in the batch), atomically
   // with their leaving the batch.
-  void restore(uint64_t batch, const std::vector<size_t>& indices,
-               std::vector<DeferredWgrad> items) {
+  // Returns the items of layers released meanwhile (WgradStore::restore), for the caller to
+  // drop once no lock is held.
+  [[nodiscard]] std::vector<DeferredWgrad> restore(uint64_t batch,
+                                                   const std::vector<size_t>& indices,
+                                                   std::vector<DeferredWgrad> items) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = batches_.find(batch);
     if (it != batches_.end()) {
@@ -544,7 +566,7 @@ class InFlight {
         if (index < it->second.entries.size()) settle_locked(it->second.entries[index]);
       }
     }
-    WgradStore::instance().restore(std::move(items));
+    return WgradStore::instance().restore(std::move(items));
   }
 
   void finish(uint64_t batch) {
@@ -709,6 +731,19 @@ void drop(const DeferredWgrad& item) {
   GradLedger::instance().deferred_dropped(item.targets(), item.pass);
 }
 
+// Items that could not go back on the queue, their layer released while they were in flight:
+// reported as dropped (the ledger, and a warning, as a layer released with work pending), and
+// freed with no lock held, their references in a batch.
+void drop_released(std::vector<DeferredWgrad> items) {
+  if (items.empty()) return;
+  for (const auto& item : items) drop(item);
+  TORCH_WARN(detail::layer_label(items.front().layer),
+             " was destroyed while its deferred wgrad work was running; ", items.size(),
+             " item(s) not yet run were discarded, and those gradient contributions with them.");
+  const detail::ReferenceBatch references;
+  items.clear();
+}
+
 // Runs the items of `batch` in order. Items whose stashed tensors changed are dropped and
 // reported; then nothing runs and the others go back on the queue, so one call either runs
 // everything or nothing.
@@ -729,14 +764,16 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
       if (error.empty()) error = std::move(reason);
     }
   }
-  // Puts the items after runnable[i] back on the queue: no gradient is lost.
+  // Puts the items after runnable[i] back on the queue: no gradient is lost, but for items of a
+  // layer released meanwhile (a hook deleted it), which are reported as dropped.
   auto restore_after = [&](size_t i) {
-    in_flight.restore(batch, std::vector<size_t>(index.begin() + i + 1, index.end()),
-                      std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
-                                                 std::make_move_iterator(runnable.end())));
+    drop_released(in_flight.restore(
+        batch, std::vector<size_t>(index.begin() + i + 1, index.end()),
+        std::vector<DeferredWgrad>(std::make_move_iterator(runnable.begin() + i + 1),
+                                   std::make_move_iterator(runnable.end()))));
   };
   if (!error.empty()) {
-    in_flight.restore(batch, index, std::move(runnable));
+    drop_released(in_flight.restore(batch, index, std::move(runnable)));
     items.clear();  // free the dropped items' tensors now, not while the exception unwinds
     TORCH_CHECK(false, error);
   }

@@ -2,6 +2,7 @@
 deepcopy), name_layers, and ``import splitgrad as te`` as a drop-in."""
 
 import copy
+import gc
 import inspect
 import math
 import subprocess
@@ -364,6 +365,83 @@ def test_grouped_backward_dw_in_threads_while_the_main_thread_calls_in_holding_t
             for name, p in layer.named_parameters():
                 got = p.main_grad if hasattr(p, "main_grad") else p.grad
                 torch.testing.assert_close(got, ref[name].grad, rtol=1e-5, atol=1e-5, msg=name)
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_layer_deleted_by_a_throwing_hook_while_its_item_is_in_flight_reports_the_item_dropped():
+    """A grad-ready hook deletes layer B, then raises, inside backward_dw_all() while B's item is
+    still to run: the item cannot go back on B's queue. It is reported as dropped (a warning, the
+    ledger's counts), not lost silently, and B's weight (kept alive) gets its hooks for later
+    passes."""
+    a = splitgrad.Linear(4, 4, bias=False, device="cpu", delay_wgrad_compute=True, name="A")
+    holder = {"b": splitgrad.Linear(4, 4, bias=False, device="cpu", delay_wgrad_compute=True, name="B")}
+    weight = holder["b"].weight
+    fired = []
+    splitgrad.register_grad_ready_hook(weight, lambda p: fired.append(p))
+
+    def delete_b_and_fail(param):
+        holder.pop("b")
+        gc.collect()
+        raise RuntimeError("hook failure")
+
+    handle = splitgrad.register_grad_ready_hook(a.weight, delete_b_and_fail)
+    x = torch.randn(3, 4)
+    a(holder["b"](x)).sum().backward()  # A's item queued before B's: A's runs (and its hook) first
+    with pytest.warns(UserWarning, match="'B' was destroyed while its deferred wgrad work was running"):
+        with pytest.raises(RuntimeError, match="hook failure"):
+            splitgrad.backward_dw_all()
+    handle.remove()
+    assert splitgrad.pending_wgrads() == 0
+    assert splitgrad._C.pending_wgrads_for(weight) == 0 and splitgrad._C.dropped_wgrads_for(weight) == 1
+    assert weight.grad is None and fired == []
+    (x @ weight.t()).sum().backward()  # a later pass through plain autograd
+    assert len(fired) == 1 and fired[0] is weight
+
+
+def test_items_of_a_deleted_layer_are_freed_without_holding_a_splitgrad_lock():
+    """The same in a thread, with B's stash and main_grad held by Python (freeing them takes the
+    GIL), while the main thread, holding the GIL, reads the pending count in a loop: the dropped
+    item must be freed outside splitgrad's locks. In a subprocess, so a deadlock fails the test."""
+    script = textwrap.dedent("""
+        import threading, torch, splitgrad
+        done, errors, kept = threading.Event(), [], []
+        def one_round():
+            a = splitgrad.Linear(16, 16, bias=False, delay_wgrad_compute=True)
+            holder = {"b": splitgrad.Linear(16, 16, bias=False, delay_wgrad_compute=True,
+                                            fuse_wgrad_accumulation=True)}
+            weight = holder["b"].weight
+            weight.main_grad = torch.zeros(16, 16)
+            def hook(param):
+                holder.pop("b", None)
+                raise KeyError("hook failure")
+            handle = splitgrad.register_grad_ready_hook(a.weight, hook)
+            x = torch.randn(8, 16)
+            a(holder["b"](x)).sum().backward()
+            try:
+                splitgrad.backward_dw_all(list(a.parameters()) + list(holder["b"].parameters()))
+            except KeyError:
+                pass
+            handle.remove()
+            kept.append((x, weight))  # Python keeps the stash and main_grad alive
+        def worker():
+            try:
+                for _ in range(150):
+                    one_round()
+            except Exception as error:
+                errors.append(error)
+            finally:
+                done.set()
+        import warnings
+        warnings.simplefilter("ignore")
+        thread = threading.Thread(target=worker)
+        thread.start()
+        while not done.is_set():
+            splitgrad.pending_wgrads()
+        thread.join()
+        assert not errors, errors
         print("ok")
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

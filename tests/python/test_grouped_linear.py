@@ -168,48 +168,65 @@ def test_experts_tied_to_each_other(delay):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_kept_grads_get_add_of_the_grouped_values_tied_in_group_order(device, dtype):
-    """.grads already there get each expert's value with add_'s arithmetic (backward_dw() adds
-    them all in one multi-tensor add), bit for bit: old + value, and for experts tied to each
-    other (old + value_1) + value_3, in group order. The values are the grouped op's own, which
-    backward_dw() runs."""
+@pytest.mark.parametrize("passes", [1, 2])
+def test_kept_grads_of_tied_experts_get_the_pass_sum_as_autograd(device, dtype, passes):
+    """.grads already there (set before, or from an earlier pass) get each pass's value with one
+    add_, and experts tied to each other (weight3 = weight1, bias2 = bias0) the sum of their
+    groups' values first, as AccumulateGrad gets the pass's sum: old + (v3 + v1). On the CPU
+    against per-expert autograd bit for bit; on CUDA against that formula on the grouped op's own
+    values (which backward_dw() runs)."""
     layer = _layer(device=device, dtype=dtype, n=5, delay_wgrad_compute=True)
     layer.weight3 = layer.weight1
-    splits = [3, 2, 0, 4, 5]
-    x, gy = _data(splits, dtype=dtype, device=device)
+    layer.bias2 = layer.bias0
+    reference = to_reference(layer)
+    splits = [3, 2, 1, 4, 5]
+    data = [_data(splits, dtype=dtype, device=device) for _ in range(passes)]
     old = {name: torch.randn(p.shape).to(dtype=dtype, device=device) for name, p in layer.named_parameters()}
-    for name, p in layer.named_parameters():
+    for name, p in [*layer.named_parameters(), *reference.named_parameters()]:
         p.grad = old[name].clone()
-    layer(x, splits).backward(gy)
-    layer.backward_dw()
-    weight_values, bias_values = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), True)
+    for x, gy in data:
+        layer(x, splits).backward(gy)
+        reference(x, splits).backward(gy)
+    for _ in data:
+        layer.backward_dw()
+    if device == "cpu":
+        _assert_same_grads(layer, reference, device=device, dtype=dtype)
+        return
     expected = {name: grad.clone() for name, grad in old.items()}
-    for i in range(5):
-        weight_name = "weight1" if i == 3 else f"weight{i}"
-        expected[weight_name].add_(weight_values[i])
-        expected[f"bias{i}"].add_(bias_values[i])
+    for x, gy in data:
+        weights, biases = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), True)
+        for i in (0, 2, 4):
+            expected[f"weight{i}"].add_(weights[i])
+        expected["weight1"].add_(weights[3] + weights[1])
+        for i in (1, 3, 4):
+            expected[f"bias{i}"].add_(biases[i])
+        expected["bias0"].add_(biases[2] + biases[0])
     for name, p in layer.named_parameters():
         torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device):
-    """A tensor set as the .grad of two experts' weights gets both values, each with add_, in
-    group order, as autograd's in-place accumulation gives it (not one value lost to a race)."""
+    """A tensor set as the .grad of two experts' weights gets both values, each with add_ (not
+    one lost to a race in a multi-tensor add); on the CPU bit for bit as per-expert autograd
+    leaves it (the later expert's first, as autograd's backward reaches it)."""
     layer = _layer(device=device, n=3, delay_wgrad_compute=True, bias=False)
-    shared = torch.randn(OUT, IN, device=device)
-    layer.weight0.grad = shared
-    layer.weight2.grad = shared
+    reference = to_reference(layer)
+    start = torch.randn(OUT, IN, device=device)
+    shared, shared_reference = start.clone(), start.clone()
+    layer.weight0.grad = layer.weight2.grad = shared
+    reference.weight0.grad = reference.weight2.grad = shared_reference
     splits = [4, 1, 3]
     x, gy = _data(splits, device=device)
-    expected = shared.clone()
     layer(x, splits).backward(gy)
+    reference(x, splits).backward(gy)
     layer.backward_dw()
-    values, _ = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), False)
-    expected.add_(values[0]).add_(values[2])
     assert layer.weight0.grad is shared and layer.weight2.grad is shared
-    torch.testing.assert_close(shared, expected, rtol=0, atol=0)
-    torch.testing.assert_close(layer.weight1.grad, values[1], rtol=0, atol=0)
+    values, _ = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), False)
+    torch.testing.assert_close(shared, start + values[2] + values[0], rtol=0, atol=0)
+    if device == "cpu":
+        torch.testing.assert_close(shared, shared_reference, rtol=0, atol=0)
+        torch.testing.assert_close(layer.weight1.grad, reference.weight1.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
