@@ -339,20 +339,26 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
       if (weight_to_grad[i]) collect(sinks[i].weight, fresh_weight[i]);
       if (bias_value[i]) collect(sinks[i].bias, fresh_bias[i]);
     }
+    // Three kinds, in this order, so that an add that fails (an inference-tensor or expanded
+    // .grad) comes before anything is written: .grads the multi-tensor add might fail on (or
+    // of another dtype) one at a time, then parameters without a .grad (it becomes the value),
+    // then the rest in one multi-tensor add.
     std::vector<at::Tensor> grads, values;
+    std::vector<size_t> fresh;
     for (size_t p = 0; p < params_to_grad.size(); ++p) {
       const at::Tensor& grad = params_to_grad[p].mutable_grad();
-      // Those the multi-tensor add cannot fail on; the others (none yet, another dtype, an
-      // inference tensor, ...) first, one at a time, so an error leaves the batch unwritten.
-      if (grad.defined() && grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
-          !grad.is_inference() && grad.scalar_type() == sums[p].scalar_type() &&
-          grad.device() == sums[p].device()) {
+      if (!grad.defined()) {
+        fresh.push_back(p);
+      } else if (grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
+                 !grad.is_inference() && grad.scalar_type() == sums[p].scalar_type() &&
+                 grad.device() == sums[p].device()) {
         grads.push_back(grad);
         values.push_back(sums[p]);
       } else {
         add_to_grad(params_to_grad[p], sums[p]);
       }
     }
+    for (const size_t p : fresh) add_to_grad(params_to_grad[p], sums[p]);
     // One launch writes every .grad at once: two .grads sharing memory (one tensor set as the
     // .grad of two parameters) would race there, so those go one at a time.
     if (shares_memory(grads)) {
