@@ -205,6 +205,25 @@ def test_kept_grads_of_tied_experts_get_the_pass_sum_as_autograd(device, dtype, 
         torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=0, msg=name)
 
 
+def test_a_grad_that_cannot_be_added_to_leaves_the_other_experts_unwritten():
+    """An expert's .grad that cannot be added to in place (an inference tensor) raises, as
+    autograd does; the item is dropped and reported for every expert, and no other expert's
+    gradient was written (the adds that can fail come first)."""
+    layer = _layer(n=3, delay_wgrad_compute=True)
+    with torch.inference_mode():
+        layer.weight0.grad = torch.zeros(OUT, IN)
+    splits = [2, 2, 2]
+    x, gy = _data(splits)
+    layer(x, splits).backward(gy)
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        layer.backward_dw()
+    assert layer.pending_wgrads() == 0
+    for name, p in layer.named_parameters():
+        assert splitgrad._C.dropped_wgrads_for(p) == 1, name
+        if name != "weight0":
+            assert p.grad is None, name
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device):
     """A tensor set as the .grad of two experts' weights gets both values, each with add_ (not
