@@ -6,6 +6,8 @@
 #   bash scripts/gpu_run.sh pytest [pytest args...]
 #   bash scripts/gpu_run.sh python FILE [args...]
 #   bash scripts/gpu_run.sh run PROGRAM [args...]     (a C++ program of build/gpu, e.g. bench_host_overhead)
+#   bash scripts/gpu_run.sh suite a|b [pytest args...] (the whole pytest suite in two halves that
+#     each fit one 10-minute device call: b the multi-process files, a every other test file)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 site="${SPLITGRAD_SITE:-/tmp/splitgrad-site}"
@@ -47,5 +49,22 @@ case "${1:-build}" in
   pytest) shift; python3 -m pytest "$@" ;;
   python) shift; python3 "$@" ;;
   run) shift; "build/gpu/$1" "${@:2}" ;;
-  *) echo "usage: $0 build | pytest [args] | python FILE [args] | run PROGRAM [args]"; exit 2 ;;
+  suite)
+    half="${2:-}"; shift 2 || true
+    slow=(test_distributed test_workflows test_pipelining test_fsdp test_demo test_stage_costs
+          test_reproducer test_cpp_package)
+    files=()
+    for f in tests/python/test_*.py; do
+      name=$(basename "$f" .py)
+      in_slow=0
+      for s in "${slow[@]}"; do [ "$name" = "$s" ] && in_slow=1; done
+      if { [ "$half" = a ] && [ $in_slow = 0 ]; } || { [ "$half" = b ] && [ $in_slow = 1 ]; }; then
+        files+=("$f")
+      fi
+    done
+    [ ${#files[@]} -gt 0 ] || { echo "usage: $0 suite a|b [pytest args...]"; exit 2; }
+    parallel=()  # pytest-xdist where installed (the device has it), one file per worker
+    if python3 -c "import xdist" 2> /dev/null; then parallel=(-n 16 --dist loadfile); fi
+    python3 -m pytest "${files[@]}" -q -p no:cacheprovider "${parallel[@]}" -rfE "$@" ;;
+  *) echo "usage: $0 build | pytest [args] | python FILE [args] | run PROGRAM [args] | suite a|b"; exit 2 ;;
 esac
