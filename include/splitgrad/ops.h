@@ -69,13 +69,20 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 ///        computes act(input)·Wᵀ + b, and its backward returns the gradient with respect to
 ///        `input`. The backward keeps `input` only (not act(input)): the activation is
 ///        recomputed where the wgrad runs — in backward_dw() right before its GEMM when deferred.
+/// \param lazy_main_grad   fuse_wgrad_accumulation with the main_grads read by the backward, when
+///        it computes the gradients (as Transformer Engine does; Megatron-FSDP allocates them only
+///        then), instead of passed here: weight_main_grad and bias_main_grad must be nullopt. The
+///        weight's is required (set_main_grad(); from Python `param.main_grad`, or
+///        `param.get_main_grad()` for a Megatron-FSDP parameter), a bias without one gets its
+///        gradient in bias.grad. A missing or invalid one is a c10::ValueError in the backward.
 /// \return y, [*, out_features]
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
                   const std::optional<at::Tensor>& weight_main_grad,
                   const std::optional<at::Tensor>& bias_main_grad, int64_t layer_id,
                   bool delay_wgrad_compute,
-                  std::optional<std::string_view> input_activation = std::nullopt);
+                  std::optional<std::string_view> input_activation = std::nullopt,
+                  bool lazy_main_grad = false);
 
 /// \name Activations (Transformer Engine's names)
 /// "gelu" (the tanh approximation), "relu", "silu", and the gated "geglu", "reglu", "swiglu",
@@ -138,12 +145,12 @@ void grouped_linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::T
 /// \param weight_main_grads fp32 buffer per weight (fuse_wgrad_accumulation), or an empty list
 /// \param bias_main_grads   fp32 buffer per bias (nullopt: that bias's gradient goes to .grad), or
 ///        an empty list
-/// \param layer_id          as for linear()
+/// \param layer_id, lazy_main_grad as for linear() (with lazy_main_grad, both lists empty)
 at::Tensor grouped_linear(const at::Tensor& input, const at::Tensor& m_splits,
                           at::TensorList weights, at::TensorList biases,
                           const c10::List<std::optional<at::Tensor>>& weight_main_grads,
                           const c10::List<std::optional<at::Tensor>>& bias_main_grads,
-                          int64_t layer_id, bool delay_wgrad_compute);
+                          int64_t layer_id, bool delay_wgrad_compute, bool lazy_main_grad = false);
 /// @}
 
 }  // namespace splitgrad::ops

@@ -148,17 +148,17 @@ class GroupedLinear(_DeferredWgradModule):
         path = self._linear_path(inp)
         if path == "functional":
             return self._functional(inp, splits, weights, biases)
-        weight_main_grads: list = []
-        bias_main_grads: list = []
-        if self.fuse_wgrad_accumulation and path != "export":
-            weight_main_grads = [self._main_grad_of(w, f"weight{i}") for i, w in enumerate(weights)]
-            bias_main_grads = [self._main_grad_of(b, f"bias{i}", required=False) for i, b in enumerate(biases)]
+        fused = self.fuse_wgrad_accumulation
         with _typed_errors():
+            if fused and path != "export":  # checked here; the backward reads them (see _apply_linear)
+                for i, w in enumerate(weights):
+                    self._main_grad_of(w, f"weight{i}")
+                for i, b in enumerate(biases):
+                    self._main_grad_of(b, f"bias{i}", required=False)
             if path in ("export", "trace"):
                 # A graph meant to outlive this process records a regular, unfused call (layer 0).
                 return _grouped_linear_op(inp, splits, weights, biases, [], [], 0, False)
-            args = (inp, splits, weights, biases, weight_main_grads, bias_main_grads, self._layer_id,
-                    self.delay_wgrad_compute)
+            args = (inp, splits, weights, biases, [], [], self._layer_id, self.delay_wgrad_compute, fused)
             if path == "compile" and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
                 return _grouped_outside_graph(*args)
             return _grouped_linear_op(*args)

@@ -79,11 +79,17 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
     reason="a splitgrad.Linear with delay_wgrad_compute or fuse_wgrad_accumulation runs eagerly "
     "(a graph break): its deferred work and main_grad accumulation happen outside compiled graphs, "
     "so fullgraph=True cannot include it")
-def _linear_outside_graph(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay, activation=None):
+def _linear_outside_graph(inp, weight, bias, layer_id, delay, activation, fused):
     # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
     # graph, and a fused layer's gradient must reach main_grad, which a compiled backward (where
     # AOTAutograd returns every gradient to autograd) would bypass: such layers run eagerly.
-    return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, layer_id, delay, activation)
+    return _linear_op(inp, weight, bias, None, None, layer_id, delay, activation, fused)
+
+
+def _main_grad_at_backward_only(param: torch.Tensor) -> bool:
+    """A Megatron-FSDP parameter: its ``main_grad`` exists only from the backward on (allocated by
+    ``get_main_grad()``), so the forward cannot check it; TE tells it by the same attribute."""
+    return hasattr(param, "__fsdp_param__") and hasattr(param, "get_main_grad")
 
 
 def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
@@ -187,9 +193,9 @@ class _DeferredWgradModule(nn.Module):
         weight_main_grad = bias_main_grad = None
         # export records an unfused call; functional gradients are returned, not accumulated
         if self.fuse_wgrad_accumulation and path not in ("export", "functional"):
-            weight_main_grad = self._main_grad_of(weight, names[0])
+            weight_main_grad = self._main_grad_of(weight, names[0], gemm=gemm)
             if bias is not None:
-                bias_main_grad = self._main_grad_of(bias, names[1], required=False)
+                bias_main_grad = self._main_grad_of(bias, names[1], required=False, gemm=gemm)
         if path == "functional" or (gemm and path not in ("export", "compile")):
             # The op's own checks (the functional path runs without the op), naming the GEMM. Autocast
             # casts a floating input to its dtype before the product.
@@ -211,33 +217,40 @@ class _DeferredWgradModule(nn.Module):
                     "Pass the parameters through torch.func.functional_call, or fold .grad into main_grad.",
                     stacklevel=4)
             return nn.functional.linear(inp, weight, bias)
-        if path == "compile" and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
-            return _linear_outside_graph(
-                inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute,
-                activation,
-            )
-        return _linear_op(inp, weight, bias, weight_main_grad, bias_main_grad, self._layer_id, self.delay_wgrad_compute,
-                          activation)
+        # A fused layer's backward reads each main_grad when it computes that gradient, as TE's does
+        # (the op's lazy_main_grad): checked here already where it exists, but what the backward
+        # finds then is what it adds to.
+        fused = self.fuse_wgrad_accumulation
+        if path == "compile" and (self.delay_wgrad_compute or fused):
+            return _linear_outside_graph(inp, weight, bias, self._layer_id, self.delay_wgrad_compute, activation,
+                                         fused)
+        return _linear_op(inp, weight, bias, None, None, self._layer_id, self.delay_wgrad_compute, activation,
+                          fused)
 
-    def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True) -> torch.Tensor | None:
+    def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True,
+                      gemm: str = "") -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its
         gradient in ``bias.grad``, as te.Linear does. None where no backward can reach ``param``
-        (frozen, or grad mode off: an eval or generation forward needs no main_grad)."""
+        (frozen, or grad mode off: an eval or generation forward needs no main_grad) and for a
+        Megatron-FSDP parameter, whose main_grad the backward gets from ``get_main_grad()``."""
         if not param.requires_grad or not torch.is_grad_enabled():
             return None
-        main_grad = getattr(param, "main_grad", None)
-        if main_grad is None and not required:
-            return None
-        if main_grad is None:
-            raise MainGradError(
-                f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
-                f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set"
-            )
-        if not isinstance(main_grad, torch.Tensor):
-            raise MainGradError(
-                f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
-                f"got {type(main_grad).__name__}"
-            )
+        main_grad = None
+        if not _main_grad_at_backward_only(param):
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is None and not required:
+                return None
+            if main_grad is None:
+                raise MainGradError(
+                    f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
+                    f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set"
+                )
+            if not isinstance(main_grad, torch.Tensor):
+                raise MainGradError(
+                    f"splitgrad layer '{self.name}': expected {what}.main_grad to be a torch.Tensor, "
+                    f"got {type(main_grad).__name__}"
+                )
+            _C.check_main_grad(self._layer_id, gemm, what, main_grad, param)
         # Megatron's contract: its grad hooks must not add .grad into main_grad again. Set here, in
         # Python, once per forward: the backward that follows adds this layer's gradient to main_grad.
         if hasattr(param, "grad_added_to_main_grad"):

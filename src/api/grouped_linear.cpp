@@ -74,20 +74,20 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
   TORCH_CHECK_VALUE(m_splits.defined(), "splitgrad layer '", layer_->name(),
                     "': expected m_splits (", options.num_gemms(),
                     " row counts), got an undefined tensor");
-  c10::List<std::optional<at::Tensor>> weight_main_grads, bias_main_grads;
-  if (options.fuse_wgrad_accumulation()) {
+  const bool fused = options.fuse_wgrad_accumulation();
+  if (fused) {
     // Every trainable weight needs its main_grad; a bias without one gets its gradient in .grad.
+    // Checked here; the backward reads them again (lazy_main_grad), as in LinearImpl::forward.
     for (size_t i = 0; i < weights.size(); ++i) {
-      weight_main_grads.push_back(
-          detail::fused_main_grad(*layer_, weights[i], c10::str("weight", i), /*required=*/true));
+      detail::fused_main_grad(*layer_, weights[i], c10::str("weight", i), /*required=*/true);
     }
     for (size_t i = 0; i < biases.size(); ++i) {
-      bias_main_grads.push_back(
-          detail::fused_main_grad(*layer_, biases[i], c10::str("bias", i), /*required=*/false));
+      detail::fused_main_grad(*layer_, biases[i], c10::str("bias", i), /*required=*/false);
     }
   }
-  return ops::grouped_linear(input, m_splits, weights, biases, weight_main_grads, bias_main_grads,
-                             layer_->id(), options.delay_wgrad_compute());
+  const c10::List<std::optional<at::Tensor>> none;  // lazy_main_grad: the backward reads them
+  return ops::grouped_linear(input, m_splits, weights, biases, none, none, layer_->id(),
+                             options.delay_wgrad_compute(), fused);
 }
 
 void GroupedLinearImpl::backward_dw() {

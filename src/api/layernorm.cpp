@@ -58,8 +58,7 @@ void check_input(const LayerHandle& layer, const torch::Tensor& input,
                     "': expected an input of shape [*, ", first_weight.size(1),
                     "], got an undefined tensor");
   // Under autocast the norm and the GEMM cast the input themselves.
-  const bool autocast =
-      input.is_floating_point() && autocast_enabled(input.device().type());
+  const bool autocast = input.is_floating_point() && autocast_enabled(input.device().type());
   detail::check_linear_args(
       [&] { return detail::layer_label(layer.id(), gemm); }, input, first_weight, std::nullopt,
       autocast ? std::optional<at::ScalarType>(input.scalar_type()) : std::nullopt);
@@ -168,13 +167,14 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormLinearImpl::forward_with_layer
   check_input(*layer_, input, weight);
   torch::Tensor ln_out = normalize(input, options.normalization(), layer_norm_weight,
                                    layer_norm_bias, options.eps(), options.zero_centered_gamma());
-  OptTensor weight_main_grad, bias_main_grad;
-  if (options.fuse_wgrad_accumulation()) {
-    weight_main_grad = detail::fused_main_grad(*layer_, weight, "weight", /*required=*/true);
-    bias_main_grad = detail::fused_main_grad(*layer_, bias, "bias", /*required=*/false);
+  const bool fused = options.fuse_wgrad_accumulation();
+  if (fused) {  // checked here; the backward reads them again (as in LinearImpl::forward)
+    detail::fused_main_grad(*layer_, weight, "weight", /*required=*/true);
+    detail::fused_main_grad(*layer_, bias, "bias", /*required=*/false);
   }
-  torch::Tensor out = ops::linear(ln_out, weight, optional_if_defined(bias), weight_main_grad,
-                                  bias_main_grad, layer_->id(), options.delay_wgrad_compute());
+  torch::Tensor out =
+      ops::linear(ln_out, weight, optional_if_defined(bias), std::nullopt, std::nullopt,
+                  layer_->id(), options.delay_wgrad_compute(), std::nullopt, fused);
   return {out, ln_out};
 }
 
@@ -298,23 +298,23 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernor
   auto gemm = [&](const char* name, const torch::Tensor& x, const torch::Tensor& weight,
                   const torch::Tensor& bias, std::optional<std::string_view> activation) {
     const std::string weight_name = c10::str(name, "_weight"), bias_name = c10::str(name, "_bias");
-    OptTensor weight_main_grad, bias_main_grad;
-    if (options.fuse_wgrad_accumulation()) {
-      weight_main_grad = detail::fused_main_grad(*layer_, weight, weight_name, /*required=*/true);
-      bias_main_grad = detail::fused_main_grad(*layer_, bias, bias_name, /*required=*/false);
+    const bool fused = options.fuse_wgrad_accumulation();
+    OptTensor weight_main_grad, bias_main_grad;  // checked here; the backward reads them again
+    if (fused) {
+      weight_main_grad =
+          detail::fused_main_grad(*layer_, weight, weight_name, /*required=*/true, name);
+      bias_main_grad = detail::fused_main_grad(*layer_, bias, bias_name, /*required=*/false, name);
     }
     // The op's own checks, first with messages that say which GEMM and parameter they mean.
-    const bool autocast =
-        x.is_floating_point() && autocast_enabled(x.device().type());
+    const bool autocast = x.is_floating_point() && autocast_enabled(x.device().type());
     const auto who = [&] { return detail::layer_label(layer_->id(), name); };
     detail::check_gemm_args(
         who,
         activation ? detail::activation_gemm_input(who, x, std::string(*activation), weight) : x,
-        weight,
-        optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
+        weight, optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
         autocast ? std::optional<at::ScalarType>(x.scalar_type()) : std::nullopt);
-    return ops::linear(x, weight, optional_if_defined(bias), weight_main_grad, bias_main_grad,
-                       layer_->id(), options.delay_wgrad_compute(), activation);
+    return ops::linear(x, weight, optional_if_defined(bias), std::nullopt, std::nullopt,
+                       layer_->id(), options.delay_wgrad_compute(), activation, fused);
   };
   torch::Tensor fc1_out = gemm("fc1", ln_out, fc1_weight, fc1_bias, std::nullopt);
   torch::Tensor out = gemm("fc2", fc1_out, fc2_weight, fc2_bias, options.activation());

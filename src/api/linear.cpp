@@ -41,14 +41,16 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
   TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer_->name(),
                     "': expected an input of shape [*, ", options.in_features(),
                     "], got an undefined tensor");
-  std::optional<at::Tensor> weight_main_grad, bias_main_grad;
-  if (options.fuse_wgrad_accumulation()) {
+  const bool fused = options.fuse_wgrad_accumulation();
+  if (fused) {
     // The weight's main_grad is required; a bias without one gets its gradient in bias.grad.
-    weight_main_grad = detail::fused_main_grad(*layer_, weight, "weight", /*required=*/true);
-    bias_main_grad = detail::fused_main_grad(*layer_, bias, "bias", /*required=*/false);
+    // Checked here; the backward reads them again (lazy_main_grad), as Transformer Engine's does.
+    detail::fused_main_grad(*layer_, weight, "weight", /*required=*/true);
+    detail::fused_main_grad(*layer_, bias, "bias", /*required=*/false);
   }
   return ops::linear(input, weight, bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt,
-                     weight_main_grad, bias_main_grad, layer_->id(), options.delay_wgrad_compute());
+                     std::nullopt, std::nullopt, layer_->id(), options.delay_wgrad_compute(),
+                     std::nullopt, fused);
 }
 
 void LinearImpl::backward_dw() {

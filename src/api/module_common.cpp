@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "ops/checks.h"
+#include "ops/deferred_internal.h"
 
 namespace splitgrad::detail {
 
@@ -40,7 +41,8 @@ void reset_linear(const at::Tensor& weight, const at::Tensor& bias) {
 }
 
 std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Tensor& param,
-                                          const std::string& what, bool required) {
+                                          const std::string& what, bool required,
+                                          const std::string& gemm) {
   // No backward can reach a frozen parameter, nor one used with grad mode off (an eval forward).
   if (!param.defined() || !param.requires_grad() || !at::GradMode::is_enabled()) {
     return std::nullopt;
@@ -51,6 +53,8 @@ std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Te
                     "': fuse_wgrad_accumulation=true needs the ", what,
                     "'s main_grad (an fp32 tensor of shape ", param.sizes(),
                     "); set it with splitgrad::set_main_grad()");
+  // set_main_grad() checked it, but a buffer can change after that (resize_).
+  check_main_grad([&] { return layer_label(layer.id(), gemm); }, what, buffer, param);
   return buffer;
 }
 

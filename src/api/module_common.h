@@ -28,11 +28,13 @@ std::shared_ptr<LayerHandle> register_layer(const std::string& name,
 /// ±1/sqrt(in).
 void reset_linear(const at::Tensor& weight, const at::Tensor& bias);
 
-/// For fuse_wgrad_accumulation: `param`'s main_grad (set_main_grad). nullopt for a parameter that
-/// is undefined or frozen, or has none and is not `required` (a bias: its gradient goes to
+/// For fuse_wgrad_accumulation: `param`'s main_grad (set_main_grad), checked (the op's
+/// check_main_grad, in messages naming `gemm` of a module with several). nullopt for a parameter
+/// that is undefined or frozen, or has none and is not `required` (a bias: its gradient goes to
 /// .grad); a required one missing is a c10::ValueError naming the layer and `what`.
 std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Tensor& param,
-                                          const std::string& what, bool required);
+                                          const std::string& what, bool required,
+                                          const std::string& gemm = "");
 
 /// Checks that `tied` can replace `current` as `what` of `layer` (`call` names the method in
 /// messages: "tie_weight"): a defined leaf of its shape, dtype and device.

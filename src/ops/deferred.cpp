@@ -185,6 +185,51 @@ void notify_main_grad_accumulated(const at::Tensor& param) {
 }
 
 namespace {
+std::atomic<MainGradSource>& main_grad_source() {
+  static std::atomic<MainGradSource> source{nullptr};
+  return source;
+}
+}  // namespace
+
+void set_main_grad_source(MainGradSource source) {
+  main_grad_source().store(source, std::memory_order_release);
+}
+
+std::vector<at::Tensor> main_grads_for_backward(const std::vector<at::Tensor>& params) {
+  if (const auto source = main_grad_source().load(std::memory_order_acquire)) {
+    return source(params);
+  }
+  std::vector<at::Tensor> buffers(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].defined()) buffers[i] = splitgrad::main_grad(params[i]);
+  }
+  return buffers;
+}
+
+void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered) {
+  std::vector<at::Tensor> params;
+  params.reserve(2 * sinks.size());
+  for (const WgradSinks& sink : sinks) {
+    params.push_back(sink.weight);
+    params.push_back(sink.bias);
+  }
+  const std::vector<at::Tensor> buffers = main_grads_for_backward(params);
+  TORCH_INTERNAL_ASSERT(buffers.size() == params.size(), "the main_grad source returned ",
+                        buffers.size(), " tensors for ", params.size(), " parameters");
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    auto name = [&](const char* kind) { return numbered ? c10::str(kind, i) : std::string(kind); };
+    if (sinks[i].weight.defined()) {
+      check_main_grad(who, name("weight"), buffers[2 * i], sinks[i].weight);
+      sinks[i].weight_main_grad = buffers[2 * i];
+    }
+    if (sinks[i].bias.defined() && buffers[2 * i + 1].defined()) {
+      check_main_grad(who, name("bias"), buffers[2 * i + 1], sinks[i].bias);
+      sinks[i].bias_main_grad = buffers[2 * i + 1];
+    }
+  }
+}
+
+namespace {
 std::atomic<std::shared_ptr<void> (*)()>& reference_batch_hook() {
   static std::atomic<std::shared_ptr<void> (*)()> hook{nullptr};
   return hook;
@@ -277,11 +322,10 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
       const at::Tensor bias_grad = sink.bias.defined() ? sink.bias.grad() : at::Tensor();
       bias_in_place[i] =
-          sink.bias.defined() &&
-          (sink.bias_main_grad.defined() ||
-           (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-            bias_grad.scalar_type() == grad_output.scalar_type() &&
-            bias_groups[sink.bias.unsafeGetTensorImpl()] == 1));
+          sink.bias.defined() && (sink.bias_main_grad.defined() ||
+                                  (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+                                   bias_grad.scalar_type() == grad_output.scalar_type() &&
+                                   bias_groups[sink.bias.unsafeGetTensorImpl()] == 1));
       bias_value[i] = sink.bias.defined() && !bias_in_place[i];
       any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
       any_bias_value |= static_cast<bool>(bias_value[i]);

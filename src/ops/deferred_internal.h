@@ -105,6 +105,21 @@ c10::Stream current_stream_of(const at::Tensor& t);
 /// Tells the callback set by set_main_grad_accumulated_callback(), if any.
 void notify_main_grad_accumulated(const at::Tensor& param);
 
+/// The main_grads of `params` (undefined entries stay undefined) for a layer that reads them in its
+/// backward (the ops' lazy_main_grad), as Transformer Engine does: Megatron-FSDP allocates
+/// main_grad only before the backward. By default the buffers set with set_main_grad(); the Python
+/// module reads `param.get_main_grad()` for a Megatron-FSDP parameter, else `param.main_grad`. An
+/// entry without one comes back undefined.
+std::vector<at::Tensor> main_grads_for_backward(const std::vector<at::Tensor>& params);
+using MainGradSource = std::vector<at::Tensor> (*)(const std::vector<at::Tensor>& params);
+/// Replaces that lookup (nullptr: back to set_main_grad()'s buffers).
+void set_main_grad_source(MainGradSource source);
+
+/// lazy_main_grad's backward: gives each sink's weight and bias their main_grads from
+/// main_grads_for_backward(), checked with check_main_grad(): the weight's is required, a bias
+/// without one keeps its gradient in .grad. `numbered`: the sinks are groups ("weight3").
+void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered);
+
 /// A scope for taking or dropping many tensor references at once. PyTorch takes the GIL whenever
 /// a C++ reference to a tensor with a Python object (a parameter, its main_grad) is added beside
 /// the Python one, and when it is dropped again: backward_dw() of a 32-expert GroupedLinear did

@@ -33,8 +33,13 @@ std::string who_of(core::LayerId layer) {
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
                       const at::Tensor& m_splits, at::TensorList weights, at::TensorList biases,
                       const OptTensorList& weight_main_grads, const OptTensorList& bias_main_grads,
-                      std::optional<at::ScalarType> compute_dtype) {
+                      bool lazy_main_grad, std::optional<at::ScalarType> compute_dtype) {
   auto who = [&] { return who_of(layer_id); };
+  TORCH_CHECK_VALUE(!lazy_main_grad || (weight_main_grads.empty() && bias_main_grads.empty()),
+                    who(),
+                    ": lazy_main_grad=True reads the main_grads in the backward; expected "
+                    "empty weight_main_grads and bias_main_grads, got ",
+                    weight_main_grads.size(), " and ", bias_main_grads.size(), " entries");
   check_grouped_linear_args(who, input, m_splits, weights, biases, /*splits_on_cpu_only=*/false,
                             compute_dtype);
   if (m_splits.device().is_cpu() && !is_traced(m_splits)) {
@@ -84,10 +89,11 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& m_splits, at::TensorList weights,
                             at::TensorList biases, const OptTensorList& weight_main_grads,
-                            const OptTensorList& bias_main_grads, int64_t layer_id, bool delay) {
+                            const OptTensorList& bias_main_grads, int64_t layer_id, bool delay,
+                            bool lazy_main_grad) {
     const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
     check_layer_args(layer_id, delay, input, m_splits, weights, biases, weight_main_grads,
-                     bias_main_grads, compute_dtype);
+                     bias_main_grads, lazy_main_grad, compute_dtype);
     std::vector<at::Tensor> saved{input, m_splits};
     saved.insert(saved.end(), weights.begin(), weights.end());
     ctx->save_for_backward(saved);
@@ -97,6 +103,7 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     ctx->saved_data["biases"] = biases.vec();
     ctx->saved_data["weight_main_grads"] = weight_main_grads;
     ctx->saved_data["bias_main_grads"] = bias_main_grads;
+    ctx->saved_data["lazy_main_grad"] = lazy_main_grad;
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
     if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
@@ -119,12 +126,13 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const auto weight_main_grads = ctx->saved_data["weight_main_grads"].toOptionalTensorList();
     const auto bias_main_grads = ctx->saved_data["bias_main_grads"].toOptionalTensorList();
     const bool delay = ctx->saved_data["delay"].toBool();
+    const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
     const size_t groups = weights.size();
     const bool has_bias = !biases.empty();
     // One gradient per flattened forward argument: input, m_splits, each weight, each bias, then
-    // the four non-tensor arguments.
-    variable_list grads(2 + groups + biases.size() + 4);
+    // the five non-tensor arguments.
+    variable_list grads(2 + groups + biases.size() + 5);
     const size_t weight_slot = 2, bias_slot = 2 + groups;
     const at::Tensor& grad_output = grad_outputs[0];
     if (!grad_output.defined()) return grads;
@@ -144,8 +152,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       for (size_t i = 0; i < groups; ++i) {
         check_no_fused_double_backward(
             [&] { return who_of(layer); },
-            (weight_wanted[i] && entry(weight_main_grads, i).defined()) ||
-                (bias_wanted[i] && entry(bias_main_grads, i).defined()));
+            (weight_wanted[i] && (entry(weight_main_grads, i).defined() || lazy_main_grad)) ||
+                (bias_wanted[i] && (entry(bias_main_grads, i).defined() || lazy_main_grad)));
       }
       const at::Tensor dy = flatten_tokens(grad_output);
       const at::Tensor x = flatten_tokens(input);
@@ -179,8 +187,11 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
                   weight_sink ? entry(weight_main_grads, i) : at::Tensor(),
                   bias_sink ? entry(bias_main_grads, i) : at::Tensor()};
       any_sink |= weight_sink || bias_sink;
-      fused |= sinks[i].weight_main_grad.defined() || sinks[i].bias_main_grad.defined();
       any_returned |= (weight_wanted[i] && !weight_sink) || (bias_wanted[i] && !bias_sink);
+    }
+    if (lazy_main_grad && any_sink) read_main_grads([&] { return who_of(layer); }, sinks, true);
+    for (const WgradSinks& sink : sinks) {
+      fused |= sink.weight_main_grad.defined() || sink.bias_main_grad.defined();
     }
     if (!delay && !fused) {  // the regular path: autograd accumulates, as for nn.Linear
       auto [weight_grads, bias_grads] =
@@ -211,9 +222,10 @@ at::Tensor grouped_linear_autograd(const at::Tensor& input, const at::Tensor& m_
                                    at::TensorList weights, at::TensorList biases,
                                    const OptTensorList& weight_main_grads,
                                    const OptTensorList& bias_main_grads, int64_t layer_id,
-                                   bool delay_wgrad_compute) {
+                                   bool delay_wgrad_compute, bool lazy_main_grad) {
   return GroupedLinearFunction::apply(input, m_splits, weights, biases, weight_main_grads,
-                                      bias_main_grads, layer_id, delay_wgrad_compute);
+                                      bias_main_grads, layer_id, delay_wgrad_compute,
+                                      lazy_main_grad);
 }
 
 // Below autograd (inference mode, tracing): the forward alone.
@@ -221,10 +233,10 @@ at::Tensor grouped_linear_forward_only(const at::Tensor& input, const at::Tensor
                                        at::TensorList weights, at::TensorList biases,
                                        const OptTensorList& weight_main_grads,
                                        const OptTensorList& bias_main_grads, int64_t layer_id,
-                                       bool delay_wgrad_compute) {
+                                       bool delay_wgrad_compute, bool lazy_main_grad) {
   const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
   check_layer_args(layer_id, delay_wgrad_compute, input, m_splits, weights, biases,
-                   weight_main_grads, bias_main_grads, compute_dtype);
+                   weight_main_grads, bias_main_grads, lazy_main_grad, compute_dtype);
   return ops::grouped_linear_fprop(input, m_splits, in_compute_dtype(weights, compute_dtype),
                                    in_compute_dtype(biases, compute_dtype));
 }

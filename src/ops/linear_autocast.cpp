@@ -38,20 +38,20 @@ template <c10::DeviceType device>
 at::Tensor linear_autocast(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                            const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
                            int64_t layer_id, bool delay_wgrad_compute,
-                           std::optional<c10::string_view> input_activation) {
+                           std::optional<c10::string_view> input_activation, bool lazy_main_grad) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device));
   // A weight autocast leaves alone (float64, another device) keeps the op as it is, as F.linear.
   if (!at::autocast::is_eligible(weight, device)) {
     return ops::linear(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                       delay_wgrad_compute, input_activation);
+                       delay_wgrad_compute, input_activation, lazy_main_grad);
   }
   const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(device);
   AutocastComputeDtype compute(dtype);
   // An input activation runs in the compute dtype too, on the cast input.
   return ops::linear(at::autocast::cached_cast(dtype, input, device), weight, bias,
                      weight_main_grad, bias_main_grad, layer_id, delay_wgrad_compute,
-                     input_activation);
+                     input_activation, lazy_main_grad);
 }
 
 // The grouped forms, likewise (the splits are not cast).
@@ -73,18 +73,18 @@ at::Tensor grouped_linear_autocast(const at::Tensor& input, const at::Tensor& m_
                                    at::TensorList weights, at::TensorList biases,
                                    const OptTensorList& weight_main_grads,
                                    const OptTensorList& bias_main_grads, int64_t layer_id,
-                                   bool delay_wgrad_compute) {
+                                   bool delay_wgrad_compute, bool lazy_main_grad) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device));
   if (weights.empty() || !at::autocast::is_eligible(weights[0], device)) {
     return ops::grouped_linear(input, m_splits, weights, biases, weight_main_grads, bias_main_grads,
-                               layer_id, delay_wgrad_compute);
+                               layer_id, delay_wgrad_compute, lazy_main_grad);
   }
   const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(device);
   AutocastComputeDtype compute(dtype);
   return ops::grouped_linear(at::autocast::cached_cast(dtype, input, device), m_splits, weights,
                              biases, weight_main_grads, bias_main_grads, layer_id,
-                             delay_wgrad_compute);
+                             delay_wgrad_compute, lazy_main_grad);
 }
 
 }  // namespace

@@ -26,14 +26,19 @@ at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : 
 void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& input,
                       const at::Tensor& weight, const OptTensor& bias,
                       const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
-                      std::optional<at::ScalarType> compute_dtype, const std::string& activation) {
+                      bool lazy_main_grad, std::optional<at::ScalarType> compute_dtype,
+                      const std::string& activation) {
   auto who = [&] {
     return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear");
   };
-  check_linear_args(who,
-                    activation.empty() ? input
-                                       : activation_gemm_input(who, input, activation, weight),
-                    weight, bias, compute_dtype);
+  check_linear_args(
+      who, activation.empty() ? input : activation_gemm_input(who, input, activation, weight),
+      weight, bias, compute_dtype);
+  TORCH_CHECK_VALUE(
+      !lazy_main_grad || (!weight_main_grad.has_value() && !bias_main_grad.has_value()), who(),
+      ": lazy_main_grad=True reads the main_grads in the backward; expected "
+      "weight_main_grad and bias_main_grad None, got ",
+      weight_main_grad.has_value() ? "a weight_main_grad" : "a bias_main_grad");
   if (weight_main_grad.has_value()) check_main_grad(who, "weight", *weight_main_grad, weight);
   if (bias_main_grad.has_value()) {
     TORCH_CHECK_VALUE(bias.has_value() && bias->defined(), who(),
@@ -71,11 +76,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const OptTensor& bias, const OptTensor& weight_main_grad,
                             const OptTensor& bias_main_grad, int64_t layer_id, bool delay,
-                            const OptActivation& input_activation) {
+                            const OptActivation& input_activation, bool lazy_main_grad) {
     const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
     const std::string activation = activation_name(input_activation);
     check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad,
-                     compute_dtype, activation);
+                     lazy_main_grad, compute_dtype, activation);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const at::Tensor gemm_input = activation.empty() ? input : ops::activation(input, activation);
     ctx->save_for_backward({input, weight});
@@ -87,6 +92,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     ctx->saved_data["bias"] = value_or_undefined(bias);
     ctx->saved_data["weight_main_grad"] = value_or_undefined(weight_main_grad);
     ctx->saved_data["bias_main_grad"] = value_or_undefined(bias_main_grad);
+    ctx->saved_data["lazy_main_grad"] = lazy_main_grad;
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
     if (compute_dtype.has_value()) ctx->saved_data["compute_dtype"] = *compute_dtype;
@@ -110,7 +116,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     auto gemm_input = [&]() -> at::Tensor {
       return activation.empty() ? input : ops::activation(input, activation);
     };
-    variable_list grads(8);  // one per forward argument
+    variable_list grads(9);  // one per forward argument
     if (!grad_output.defined()) return grads;
     // needs_input_grad is false for a parameter frozen at the forward (no edge to it) and for one
     // this pass does not ask for (autograd.grad or backward(inputs=...) without it).
@@ -118,14 +124,15 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const bool bias_wanted = bias.defined() && ctx->needs_input_grad(2) && bias.requires_grad();
     const at::Tensor weight_main_grad = ctx->saved_data["weight_main_grad"].toTensor();
     const at::Tensor bias_main_grad = ctx->saved_data["bias_main_grad"].toTensor();
+    const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
+    auto who = [&] { return layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"); };
 
     if (at::GradMode::is_enabled()) {
       // backward(create_graph=True): the gradients must be differentiable themselves, so they
       // are computed now with ATen's differentiable ops (splitgrad's have no double backward).
       check_no_fused_double_backward(
-          [&] { return layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"); },
-          (weight_wanted && weight_main_grad.defined()) ||
-              (bias_wanted && bias_main_grad.defined()));
+          who, (weight_wanted && (weight_main_grad.defined() || lazy_main_grad)) ||
+                   (bias_wanted && (bias_main_grad.defined() || lazy_main_grad)));
       const at::Tensor dy = flatten_tokens(grad_output);
       if (ctx->needs_input_grad(0)) {
         grads[0] = at::matmul(grad_output, in_compute_dtype(weight, compute_dtype));
@@ -154,8 +161,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     // computes in a narrower one).
     const bool weight_sink = weight_wanted && pass_accumulates_into(weight_param);
     const bool bias_sink = bias_wanted && pass_accumulates_into(bias);
-    const bool fused =
-        (weight_sink && weight_main_grad.defined()) || (bias_sink && bias_main_grad.defined());
+    std::vector<WgradSinks> sinks{
+        {weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
+         weight_sink ? weight_main_grad : at::Tensor(), bias_sink ? bias_main_grad : at::Tensor()}};
+    if (lazy_main_grad && (weight_sink || bias_sink)) read_main_grads(who, sinks, false);
+    const bool fused = sinks[0].weight_main_grad.defined() || sinks[0].bias_main_grad.defined();
     if (!delay && !fused) {  // the regular path: autograd accumulates, exactly as for nn.Linear
       auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, gemm_input(), bias_wanted);
       if (weight_wanted) grads[1] = weight_grad;
@@ -171,13 +181,9 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (!weight_sink && !bias_sink) return grads;
     // Deferred: the activation's input is stashed, the activation recomputed by backward_dw().
     const bool defer_activation = delay && !activation.empty();
-    accumulate_or_defer(
-        layer, delay, grad_output, defer_activation ? input : gemm_input(),
-        /*m_splits=*/at::Tensor(),
-        {{weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
-          weight_sink ? weight_main_grad : at::Tensor(),
-          bias_sink ? bias_main_grad : at::Tensor()}},
-        "splitgrad.Linear", defer_activation ? activation : std::string());
+    accumulate_or_defer(layer, delay, grad_output, defer_activation ? input : gemm_input(),
+                        /*m_splits=*/at::Tensor(), sinks, "splitgrad.Linear",
+                        defer_activation ? activation : std::string());
     return grads;
   }
 };
@@ -185,20 +191,21 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                            const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
                            int64_t layer_id, bool delay_wgrad_compute,
-                           OptActivation input_activation) {
+                           OptActivation input_activation, bool lazy_main_grad) {
   return LinearFunction::apply(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                               delay_wgrad_compute, input_activation);
+                               delay_wgrad_compute, input_activation, lazy_main_grad);
 }
 
 // Below autograd (inference mode, tracing): the forward alone.
 at::Tensor linear_forward_only(const at::Tensor& input, const at::Tensor& weight,
                                const OptTensor& bias, const OptTensor& weight_main_grad,
                                const OptTensor& bias_main_grad, int64_t layer_id,
-                               bool delay_wgrad_compute, OptActivation input_activation) {
+                               bool delay_wgrad_compute, OptActivation input_activation,
+                               bool lazy_main_grad) {
   const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
   const std::string activation = activation_name(input_activation);
   check_layer_args(layer_id, delay_wgrad_compute, input, weight, bias, weight_main_grad,
-                   bias_main_grad, compute_dtype, activation);
+                   bias_main_grad, lazy_main_grad, compute_dtype, activation);
   return fprop(activation.empty() ? input : ops::activation(input, activation), weight, bias,
                compute_dtype);
 }

@@ -43,13 +43,13 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                   const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
                   int64_t layer_id, bool delay_wgrad_compute,
-                  std::optional<std::string_view> input_activation) {
+                  std::optional<std::string_view> input_activation, bool lazy_main_grad) {
   static auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                    const OptTensor&, int64_t, bool, std::optional<c10::string_view>)>(
+                    const OptTensor&, int64_t, bool, std::optional<c10::string_view>, bool)>(
           "splitgrad::linear");
   return handle.call(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                     delay_wgrad_compute, input_activation);
+                     delay_wgrad_compute, input_activation, lazy_main_grad);
 }
 
 at::Tensor activation(const at::Tensor& input, std::string_view activation) {
@@ -103,13 +103,13 @@ at::Tensor grouped_linear(const at::Tensor& input, const at::Tensor& m_splits,
                           at::TensorList weights, at::TensorList biases,
                           const OptTensorList& weight_main_grads,
                           const OptTensorList& bias_main_grads, int64_t layer_id,
-                          bool delay_wgrad_compute) {
+                          bool delay_wgrad_compute, bool lazy_main_grad) {
   static auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, at::TensorList, at::TensorList,
-                    const OptTensorList&, const OptTensorList&, int64_t, bool)>(
+                    const OptTensorList&, const OptTensorList&, int64_t, bool, bool)>(
           "splitgrad::grouped_linear");
   return handle.call(input, m_splits, weights, biases, weight_main_grads, bias_main_grads, layer_id,
-                     delay_wgrad_compute);
+                     delay_wgrad_compute, lazy_main_grad);
 }
 
 }  // namespace splitgrad::ops

@@ -14,12 +14,14 @@ TORCH_LIBRARY(splitgrad, m) {
   m.def(
       "linear(Tensor input, Tensor weight, Tensor? bias, Tensor? weight_main_grad, "
       "Tensor? bias_main_grad, int layer_id, bool delay_wgrad_compute, "
-      "str? input_activation=None) -> Tensor");
+      "str? input_activation=None, bool lazy_main_grad=False) -> Tensor");
   // TE's activations ("gelu" tanh-approximated, "relu", "silu"; gated "geglu", "reglu", "swiglu":
   // act(a) * b for input [a | b] along the last dim). activation_backward returns the gradient
   // with respect to `input`. linear's input_activation applies one to its input first.
   m.def("activation(Tensor input, str activation) -> Tensor");
   m.def("activation_backward(Tensor grad_output, Tensor input, str activation) -> Tensor");
+  // lazy_main_grad (fuse_wgrad_accumulation as Transformer Engine does it): no main_grad is
+  // passed; the backward looks each parameter's up when it computes its gradient.
   // Grouped (MoE experts): rows [offset_i, offset_i + m_splits[i]) go through group i. The splits
   // are an int64 tensor, so a router's counts on the device need no host copy to be passed on.
   m.def(
@@ -35,5 +37,5 @@ TORCH_LIBRARY(splitgrad, m) {
   m.def(
       "grouped_linear(Tensor input, Tensor m_splits, Tensor[] weights, Tensor[] biases, "
       "Tensor?[] weight_main_grads, Tensor?[] bias_main_grads, int layer_id, "
-      "bool delay_wgrad_compute) -> Tensor");
+      "bool delay_wgrad_compute, bool lazy_main_grad=False) -> Tensor");
 }

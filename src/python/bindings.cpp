@@ -28,6 +28,15 @@ class GilHeld {
   PyGILState_STATE state_;
 };
 
+// Rethrows the Python exception being handled as a python_error, which carries it (type included)
+// through autograd's threads and back to the caller, as torch's own hooks do.
+[[noreturn]] void rethrow_python_error(py::error_already_set& error) {
+  error.restore();
+  python_error persisted;
+  persisted.persist();
+  throw persisted;
+}
+
 // Runs a Python callable from C++ (hooks fire from backward_dw() or autograd's threads).
 template <typename... Args>
 std::function<void(Args...)> python_callback(py::function fn) {
@@ -41,14 +50,41 @@ std::function<void(Args...)> python_callback(py::function fn) {
     try {
       (*shared)(args...);
     } catch (py::error_already_set& error) {
-      // As torch's own hooks do: a python_error (torch/csrc/Exceptions.h) carries the Python
-      // exception, type included, through autograd's threads and back to the caller.
-      error.restore();
-      python_error persisted;
-      persisted.persist();
-      throw persisted;
+      rethrow_python_error(error);
     }
   };
+}
+
+// The main_grads a lazy_main_grad layer's backward reads (src/ops/deferred.cpp), where Transformer
+// Engine's backward reads them: `param.get_main_grad()` for a Megatron-FSDP parameter (which
+// allocates its main_grad only before the backward), else `param.main_grad`; a parameter with
+// neither gets the buffer of splitgrad::set_main_grad(), if any.
+std::vector<at::Tensor> python_main_grads(const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> buffers(params.size());
+  if (!Py_IsInitialized()) return buffers;  // at exit
+  GilHeld gil;
+  try {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].defined()) continue;
+      const py::object param = py::cast(params[i]);
+      const py::object buffer =
+          py::hasattr(param, "__fsdp_param__") && py::hasattr(param, "get_main_grad")
+              ? param.attr("get_main_grad")()
+              : py::getattr(param, "main_grad", py::none());
+      if (buffer.is_none()) {
+        buffers[i] = splitgrad::main_grad(params[i]);
+      } else {
+        TORCH_CHECK_TYPE(THPVariable_Check(buffer.ptr()),
+                         "expected a parameter's main_grad to be a torch.Tensor, got ",
+                         Py_TYPE(buffer.ptr())->tp_name, " (a parameter of shape ",
+                         params[i].sizes(), ")");
+        buffers[i] = THPVariable_Unpack(buffer.ptr());
+      }
+    }
+  } catch (py::error_already_set& error) {
+    rethrow_python_error(error);
+  }
+  return buffers;
 }
 
 }  // namespace
@@ -60,8 +96,9 @@ PYBIND11_MODULE(_C, m) {
   // batch, PyTorch's per-tensor GIL round trips for Python-owned tensors are cheap re-entries.
   splitgrad::detail::set_reference_batch_hook([]() -> std::shared_ptr<void> {
     if (!Py_IsInitialized()) return nullptr;  // as PyTorch's own reference counting checks
-    return std::make_shared<GilHeld>();  // not pybind11's: see GilHeld
+    return std::make_shared<GilHeld>();       // not pybind11's: see GilHeld
   });
+  splitgrad::detail::set_main_grad_source(&python_main_grads);
 
   py::class_<splitgrad::LayerHandle, std::shared_ptr<splitgrad::LayerHandle>>(m, "LayerHandle")
       .def(py::init<std::string>(), py::arg("name"))
@@ -172,6 +209,20 @@ PYBIND11_MODULE(_C, m) {
       "The op's checks of one GEMM of a module, in messages naming the module and the GEMM "
       "(\"splitgrad layer 'mlp' (fc2)\") and its parameters; with input_activation, `input` is "
       "that activation's input (as for the linear op).");
+  m.def(
+      "check_main_grad",
+      [](int64_t layer_id, const std::string& gemm, const std::string& param_name,
+         const at::Tensor& main_grad, const at::Tensor& param) {
+        HANDLE_TH_ERRORS
+        splitgrad::detail::check_main_grad(
+            [&] { return splitgrad::detail::layer_label(layer_id, gemm); }, param_name, main_grad,
+            param);
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("layer_id"), py::arg("gemm"), py::arg("param_name"), py::arg("main_grad"),
+      py::arg("param"),
+      "The op's check of a main_grad (fp32, the parameter's shape and device), for a forward whose "
+      "backward reads it (lazy_main_grad).");
   m.def(
       "register_grad_ready_hook",
       [](const at::Tensor& param, py::function fn) {

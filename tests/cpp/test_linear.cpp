@@ -672,6 +672,40 @@ TEST_F(LinearTest, FusedMainGradMissingOrWrong) {
   EXPECT_NO_THROW(fc(x).sum().backward());
 }
 
+TEST_F(LinearTest, FusedMainGradIsReadInTheBackward) {
+  // As Transformer Engine's backward reads main_grad: a buffer set after the forward receives the
+  // gradient; one cleared by then is an error in the backward, with nothing queued.
+  for (bool delay : {false, true}) {
+    Linear fc(opts(16, 8).delay_wgrad_compute(delay).fuse_wgrad_accumulation(true).name("late"));
+    torch::Tensor w_ref = ref_param(fc->weight);
+    torch::Tensor b_ref = ref_param(fc->bias);
+    torch::Tensor w_first = torch::zeros({8, 16}), b_first = torch::zeros({8});
+    splitgrad::set_main_grad(fc->weight, w_first);
+    splitgrad::set_main_grad(fc->bias, b_first);
+    torch::Tensor x = torch::randn({5, 16});
+    torch::Tensor g = torch::randn({5, 8});
+    torch::Tensor y = fc(x);
+    torch::Tensor w_later = torch::zeros({8, 16}), b_later = torch::zeros({8});
+    splitgrad::set_main_grad(fc->weight, w_later);
+    splitgrad::set_main_grad(fc->bias, b_later);
+    y.backward(g);
+    if (delay) fc->backward_dw();
+    F::linear(x, w_ref, b_ref).backward(g);
+    EXPECT_EQ(torch::count_nonzero(w_first).item<int64_t>(), 0);
+    EXPECT_EQ(torch::count_nonzero(b_first).item<int64_t>(), 0);
+    EXPECT_TRUE(Close(w_later, w_ref.grad(), kReassocRtol, kReassocAtol));
+    EXPECT_TRUE(Close(b_later, b_ref.grad(), kReassocRtol, kReassocAtol));
+
+    y = fc(x);
+    splitgrad::set_main_grad(fc->weight, {});
+    const std::string msg = error_message([&] { y.backward(g); });
+    EXPECT_CONTAINS(msg, "late");
+    EXPECT_CONTAINS(msg, "weight.main_grad");
+    EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+    splitgrad::set_main_grad(fc->bias, {});
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Grad-ready hooks
 
