@@ -59,7 +59,8 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void pretty_print(std::ostream& stream) const override;
 
   /// y = x_i·W_iᵀ + b_i per expert, for x [*, in_features] (flattened to [tokens, in_features]).
-  /// \param m_splits the rows per expert: an int64 tensor of num_gemms non-negative entries
+  /// \param m_splits the rows per expert: an integer tensor (int64; another integer dtype is cast
+  ///        to it on its device) of num_gemms non-negative entries
   ///        summing to the tokens, on the CPU or on the input's device (not synchronised on by the
   ///        ops; the CUDA back end's per-expert loop reads it to the host for now)
   ///        Host splits: `torch::tensor(std::vector<int64_t>{...})`. (One overload only, so that

@@ -85,9 +85,14 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
       detail::fused_main_grad(*layer_, biases[i], c10::str("bias", i), /*required=*/false);
     }
   }
+  // Any integer dtype (a router's counts are often int32), as the Python module takes: the op wants
+  // int64. The cast stays on the splits' device (no host synchronisation).
+  const auto dtype = m_splits.scalar_type();
+  const bool other_integer = at::isIntegralType(dtype, /*includeBool=*/false) && dtype != at::kLong;
   const c10::List<std::optional<at::Tensor>> none;  // lazy_main_grad: the backward reads them
-  return ops::grouped_linear(input, m_splits, weights, biases, none, none, layer_->id(),
-                             options.delay_wgrad_compute(), fused);
+  return ops::grouped_linear(input, other_integer ? m_splits.to(at::kLong) : m_splits, weights,
+                             biases, none, none, layer_->id(), options.delay_wgrad_compute(),
+                             fused);
 }
 
 void GroupedLinearImpl::backward_dw() {
@@ -161,13 +166,19 @@ std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
     const std::optional<at::Device>& device) const {
   auto copy = torch::nn::Cloneable<GroupedLinearImpl>::clone(device);
   auto& layer = static_cast<GroupedLinearImpl&>(*copy);
-  // Cloneable copies parameters by name; the expert lists must follow the copies.
-  for (size_t i = 0; i < layer.weights.size(); ++i) {
-    layer.weights[i] = layer.parameters_[c10::str("weight", i)];
-  }
-  for (size_t i = 0; i < layer.biases.size(); ++i) {
-    layer.biases[i] = layer.parameters_[c10::str("bias", i)];
-  }
+  // Cloneable copies parameters by name, each on its own; the expert lists must follow the copies,
+  // and experts tied to each other here share one copy there (as Python's deepcopy keeps them).
+  auto follow = [&](const char* what, const std::vector<torch::Tensor>& originals,
+                    std::vector<torch::Tensor>& copies) {
+    for (size_t i = 0; i < copies.size(); ++i) {
+      size_t first = 0;
+      while (!originals[first].is_same(originals[i])) ++first;
+      copies[i] = layer.parameters_[c10::str(what, first)];
+      if (first != i) layer.parameters_[c10::str(what, i)] = copies[i];
+    }
+  };
+  follow("weight", weights, layer.weights);
+  follow("bias", biases, layer.biases);
   if (!options.name().empty()) {
     layer.options.name(c10::str(options.name(), "#", layer.layer_->id()));
     layer.layer_->set_name(layer.options.name());

@@ -190,8 +190,9 @@ TEST(GroupedLinearErrors, BadSplitsNameTheLayerAndQueueNothing) {
   EXPECT_CONTAINS(message, "expected non-negative m_splits, got m_splits[1] = -1");
   message = error_message([&] { experts(x, torch::tensor({5, 0})); });
   EXPECT_CONTAINS(message, "expected 3 splits (one per group) in a 1-D m_splits, got shape [2]");
-  message = error_message([&] { experts(x, torch::tensor({5, 0, 0}, torch::kInt)); });
-  EXPECT_CONTAINS(message, "expected m_splits of dtype torch.int64 (row counts), got torch.int32");
+  message = error_message([&] { experts(x, torch::tensor({5.0, 0.0, 0.0})); });
+  EXPECT_CONTAINS(message,
+                  "expected m_splits of dtype torch.int64 (row counts), got torch.float32");
   message = error_message([&] { experts(x.to(torch::kDouble), torch::tensor({5, 0, 0})); });
   EXPECT_CONTAINS(message, "expected input of dtype torch.float32");
   message = error_message([&] { experts->tie_weight(3, experts->weights[0]); });
@@ -199,6 +200,38 @@ TEST(GroupedLinearErrors, BadSplitsNameTheLayerAndQueueNothing) {
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
   message = error_message([&] { experts->backward_dw(); });
   EXPECT_CONTAINS(message, "'moe.experts': backward_dw() was called but no backward pass");
+}
+
+TEST(GroupedLinearModule, SplitsOfAnyIntegerDtypeAsInt64) {
+  GroupedLinear experts(opts(3));
+  torch::Tensor x = torch::randn({5, kIn});
+  const torch::Tensor expected = experts(x, torch::tensor({2, 0, 3}));
+  for (auto dtype : {torch::kInt, torch::kShort, torch::kByte}) {
+    EXPECT_TRUE(Bitwise(experts(x, torch::tensor({2, 0, 3}, dtype)), expected)) << dtype;
+  }
+}
+
+TEST(GroupedLinearModule, CloneKeepsExpertsTiedToEachOther) {
+  GroupedLinear experts(opts(3).delay_wgrad_compute(true));
+  experts->tie_weight(2, experts->weights[0]);
+  experts->tie_bias(1, experts->biases[0]);
+  auto copy = std::dynamic_pointer_cast<splitgrad::GroupedLinearImpl>(experts->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(copy->weights[2].is_same(copy->weights[0]));
+  EXPECT_TRUE(copy->biases[1].is_same(copy->biases[0]));
+  EXPECT_FALSE(copy->weights[0].is_same(experts->weights[0]));
+  EXPECT_TRUE(copy->named_parameters()["weight2"].is_same(copy->weights[0]));
+  EXPECT_EQ(splitgrad::unique_parameters(*copy).size(), 4u);  // 3 weights, 3 biases, 2 tied
+  // The copy trains as the original: the shared weight gets both experts' contributions.
+  const std::vector<int64_t> splits{2, 3, 4};
+  torch::Tensor x = torch::randn({9, kIn});
+  torch::Tensor g = torch::randn({9, kOut});
+  copy->forward(x, torch::tensor(splits)).backward(g);
+  copy->backward_dw();
+  experts(x, torch::tensor(splits)).backward(g);
+  experts->backward_dw();
+  EXPECT_TRUE(Bitwise(copy->weights[0].grad(), experts->weights[0].grad()));
+  EXPECT_TRUE(Bitwise(copy->biases[0].grad(), experts->biases[0].grad()));
 }
 
 TEST(GroupedLinearErrors, FusedWithoutMainGrad) {
@@ -211,7 +244,8 @@ TEST(GroupedLinearErrors, FusedWithoutMainGrad) {
 }
 
 TEST(GroupedLinearErrors, FusedForwardWithoutGradModeNeedsNoMainGrad) {
-  GroupedLinear experts(opts(2).fuse_wgrad_accumulation(true).delay_wgrad_compute(true).name("eval"));
+  GroupedLinear experts(
+      opts(2).fuse_wgrad_accumulation(true).delay_wgrad_compute(true).name("eval"));
   torch::NoGradGuard no_grad;
   EXPECT_NO_THROW(experts(torch::randn({3, kIn}), torch::tensor({1, 2})));
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
