@@ -125,6 +125,11 @@ class GradReducer:
             :meth:`shard_range` after ``finish()``, or the whole shards in :attr:`shards`; ``.grad``
             / ``main_grad`` are left holding the local, unreduced gradient).
         average: divide the sum by the group's size (the default), else leave the sum.
+        passes_per_step: the backward passes (micro-batches) of one step, each of which fires a
+            parameter's grad-ready hook once (default 1). With ``n``, a parameter is ready at its
+            ``n``-th hook since the last ``finish()``: what a pipeline schedule's stage needs, whose
+            micro-batches' B and W run interleaved inside ``schedule.step()`` (where ``no_sync()``
+            cannot be placed around all but the last).
         find_unused_parameters: DDP's option. A parameter that has not become ready by ``finish()``
             and has no deferred work pending counts as ready with its current gradient (zeros if it
             has none); a parameter used on no rank keeps its gradient untouched (``.grad`` stays
@@ -151,7 +156,10 @@ class GradReducer:
 
     Buckets are launched in bucket order (reverse registration order), whatever order the parameters
     become ready in, so the ranks may run their ``backward_dw()`` calls in different orders; the
-    collectives overlap best when the last layers' work runs first.
+    collectives overlap best when the last layers' work runs first. That order holds per reducer:
+    several reducers on one process group launch in the order their buckets become ready, so their
+    ranks must complete the reducers' work in one order, or each reducer needs a group of its own
+    (``dist.new_group(ranks)``).
 
     Every parameter must become ready exactly once between two ``finish()`` calls (outside
     :meth:`no_sync`), unless ``find_unused_parameters=True``; a parameter made ready twice raises at
@@ -167,12 +175,14 @@ class GradReducer:
 
     def __init__(self, model: nn.Module, process_group=None, bucket_cap_mb: float = 25,
                  mode: str = "all_reduce", average: bool = True,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, passes_per_step: int = 1) -> None:
         if mode not in _MODES:
             raise ValueError(f"GradReducer: expected mode 'all_reduce' or 'reduce_scatter', got {mode!r}")
         if not (isinstance(bucket_cap_mb, (int, float)) and not isinstance(bucket_cap_mb, bool)
                 and bucket_cap_mb > 0):
             raise ValueError(f"GradReducer: expected a positive bucket_cap_mb, got {bucket_cap_mb!r}")
+        if not isinstance(passes_per_step, int) or isinstance(passes_per_step, bool) or passes_per_step < 1:
+            raise ValueError(f"GradReducer: expected a positive int passes_per_step, got {passes_per_step!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("GradReducer: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group() first")
@@ -181,6 +191,7 @@ class GradReducer:
         self.mode = mode
         self.average = bool(average)
         self.find_unused_parameters = bool(find_unused_parameters)
+        self.passes_per_step = passes_per_step
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         #: (bucket_index, tuple of parameter names), one entry per collective launched, in launch order.
@@ -220,6 +231,7 @@ class GradReducer:
         self._lock = threading.Lock()
         self._sync = True
         self._ready: set[int] = set()  # ids of the parameters ready in the current step
+        self._passes: dict[int, int] = {}  # id(param) -> its grad-ready hooks in the current step
         self._next = 0  # the next bucket to launch: buckets go in bucket order, as in DDP
         self._used_map: torch.Tensor | None = None  # per parameter: ranks it was ready on, ranks owing work
         self._used_work = None
@@ -309,14 +321,20 @@ class GradReducer:
                 return  # no_sync(): the gradient accumulates locally; nothing is counted
             key = id(param)
             name = self._names[key]
+            self._active = True
+            passes = self._passes[key] = self._passes.get(key, 0) + 1
+            if passes < self.passes_per_step:
+                return  # an earlier micro-batch's gradient: it accumulates locally
             if key in self._ready:
                 raise RuntimeError(
-                    f"GradReducer: parameter '{name}' became ready twice before finish() (two backward "
-                    "passes reduced in one step?). Run the earlier micro-batches' backward and "
-                    "backward_dw() inside reducer.no_sync(), or call finish() after each step."
+                    f"GradReducer: parameter '{name}' became ready "
+                    f"{'twice' if passes == 2 else f'{passes} times'} before finish(), for "
+                    f"passes_per_step={self.passes_per_step} (more backward passes reduced in one "
+                    "step?). Run the earlier micro-batches' backward and backward_dw() inside "
+                    "reducer.no_sync() or give passes_per_step the micro-batches per step, and call "
+                    "finish() after each step."
                 )
             self._ready.add(key)
-            self._active = True
             self._buckets[self._where[key][0]].ready += 1
             # in bucket order: a ready bucket waits for those before it
             while self._next < len(self._buckets) and \
@@ -464,6 +482,7 @@ class GradReducer:
 
     def _reset(self) -> None:
         self._ready.clear()
+        self._passes.clear()
         self._next = 0
         self._used_map = None
         self._used_work = None

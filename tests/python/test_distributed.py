@@ -377,6 +377,39 @@ def case_no_sync(rank, world, mode):
     reducer.remove()
 
 
+def case_passes_per_step(rank, world, mode):
+    """A pipeline stage's step: two micro-batches' backward, then their backward_dw() interleaved
+    layer by layer, with a weight tied across the delayed layers (no no_sync() placement fits):
+    with passes_per_step=2 each parameter is ready at its second pass, each bucket is launched
+    once, after its parameters' second pass, with both micro-batches' gradients; a third pass
+    before finish() is refused."""
+    model = tied_model()
+    reference = to_reference(model)
+    reducer = splitgrad.distributed.GradReducer(model, bucket_cap_mb=TINY, mode=mode, passes_per_step=2)
+    data = rank_batches(0, world, n_micro=2)
+    (x0, t0), (x1, t1) = data[rank]
+    mse(model, x0, t0, 0.5).backward()
+    assert reducer.launch_log == []
+    mse(model, x1, t1, 0.5).backward()
+    regular = {"4.weight", "4.bias"}
+    assert {name for _, names in reducer.launch_log for name in names} <= regular
+    model[2].backward_dw()
+    model[0].backward_dw()
+    assert {name for _, names in reducer.launch_log for name in names} <= regular
+    model[2].backward_dw()
+    model[0].backward_dw()
+    assert sorted(index for index, _ in reducer.launch_log) == list(range(len(reducer.buckets)))
+    reducer.finish()
+    reference_step(reference, data, mse)
+    assert_reduced_match(model, reference, reducer, world)
+    mse(model, x0, t0, 0.5).backward()  # a second step, one pass too many
+    with pytest.raises(RuntimeError, match=r"'4\.(weight|bias)' became ready 3 times"):
+        mse(model, x1, t1, 0.5).backward()
+        mse(model, x0, t0, 0.5).backward()
+    reducer.remove()
+    splitgrad.backward_dw_all()
+
+
 class Skipping(nn.Module):
     def __init__(self):
         super().__init__()
@@ -696,6 +729,7 @@ _CASES = {
     "tied_embedding": case_tied_embedding,
     "main_grad": case_main_grad,
     "no_sync": case_no_sync,
+    "passes_per_step": case_passes_per_step,
     "never_ready": case_never_ready,
     "ready_twice": case_ready_twice,
     "overlap": case_overlap,
@@ -771,6 +805,11 @@ def test_tied_delayed_layers_and_regular_layer(results, mode):
 
 def test_torch_ddp_refuses_delayed_layers_and_averages_regular_ones(results):
     check_case(results, "torch_ddp")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_passes_per_step_reduces_interleaved_micro_batches_once(results, mode):
+    check_case(results, f"passes_per_step[{mode}]")
 
 
 @pytest.mark.parametrize("mode", MODES)
