@@ -141,6 +141,27 @@ class GradReadyHookHandle {
 /// \return the handle that removes the hook
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
 
+namespace detail {
+/// The hooks a module registered with register_wgrad_accumulation_and_reduce_hooks(), kept so that
+/// they follow its parameters when one is re-tied (tie_weight), as the Python modules' do. A copy
+/// (a clone's) starts with none: the module's reset() clears it.
+class ModuleReduceHooks {
+ public:
+  /// Registers `hook` as a grad-ready hook of each of `params` that requires grad, each tensor
+  /// once, and keeps it.
+  void add(GradReadyHook hook, const std::vector<at::Tensor>& params);
+  /// Moves every kept hook onto `params` (the module's parameters after a tie).
+  void follow(const std::vector<at::Tensor>& params);
+  /// Forgets the hooks without unregistering them (they stay on the parameters they were on).
+  void clear();
+
+ private:
+  void install(const GradReadyHook& hook, const std::vector<at::Tensor>& params);
+  std::vector<GradReadyHook> hooks_;
+  std::vector<GradReadyHookHandle> handles_;
+};
+}  // namespace detail
+
 /// Sets where a parameter's fp32 gradient buffer lives for fuse_wgrad_accumulation (Megatron's
 /// `param.main_grad`) for C++ callers. An undefined `main_grad` clears it. `param` must be a leaf
 /// that requires grad, `main_grad` an fp32 tensor of its shape on its device (c10::ValueError

@@ -103,6 +103,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
            const torch::Tensor& tied);
   std::vector<torch::Tensor> own_parameters() const;
   std::shared_ptr<LayerHandle> layer_;
+  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
 };
 
 /// A ModuleHolder for GroupedLinearImpl.

@@ -108,6 +108,7 @@ class LayerNormLinearImpl : public torch::nn::Cloneable<LayerNormLinearImpl> {
 
  private:
   std::shared_ptr<LayerHandle> layer_;
+  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
 };
 
 /// A ModuleHolder for LayerNormLinearImpl.
@@ -188,6 +189,7 @@ class LayerNormMLPImpl : public torch::nn::Cloneable<LayerNormMLPImpl> {
 
  private:
   std::shared_ptr<LayerHandle> layer_;
+  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
 };
 
 /// A ModuleHolder for LayerNormMLPImpl.

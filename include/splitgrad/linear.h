@@ -99,7 +99,8 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void tie_bias(const torch::Tensor& bias);
 
   /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters that requires
-  /// grad (TE's name); see register_grad_ready_hook(). These hooks cannot be removed.
+  /// grad (TE's name); see register_grad_ready_hook(). They follow a parameter re-tied later;
+  /// they cannot be removed, and a clone() has none.
   void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
 
   /// A deep copy with a registration (and, for a named layer, a name "<name>#<id>") of its own.
@@ -120,6 +121,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
  private:
   void check_tie(const char* what, const torch::Tensor& current, const torch::Tensor& tied) const;
   std::shared_ptr<LayerHandle> layer_;
+  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
 };
 
 /// `module.parameters()` with each tensor once: a weight tied between layers (tie_weight) is

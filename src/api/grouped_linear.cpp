@@ -17,6 +17,7 @@ GroupedLinearImpl::GroupedLinearImpl(const GroupedLinearOptions& options_) : opt
 }
 
 void GroupedLinearImpl::reset() {
+  reduce_hooks_.clear();  // a clone starts without the original's hooks
   TORCH_CHECK_VALUE(
       options.num_gemms() > 0 && options.in_features() > 0 && options.out_features() > 0,
       "splitgrad::GroupedLinear: expected positive num_gemms, in_features and "
@@ -134,6 +135,7 @@ void GroupedLinearImpl::tie(const char* what, int64_t expert, std::vector<torch:
                     current.device(), " (the layer's device), got ", tied.device());
   parameters_[c10::str(what, expert)] = tied;
   params[expert] = tied;
+  reduce_hooks_.follow(own_parameters());
 }
 
 void GroupedLinearImpl::tie_weight(int64_t expert, const torch::Tensor& weight) {
@@ -152,14 +154,7 @@ std::vector<torch::Tensor> GroupedLinearImpl::own_parameters() const {
 
 void GroupedLinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
   // Each tensor once: experts tied to one another share a parameter, whose hook fires once.
-  std::vector<torch::Tensor> seen;
-  for (const auto& param : own_parameters()) {
-    if (!param.requires_grad()) continue;
-    if (std::any_of(seen.begin(), seen.end(), [&](const auto& p) { return p.is_same(param); }))
-      continue;
-    seen.push_back(param);
-    register_grad_ready_hook(param, hook);
-  }
+  reduce_hooks_.add(std::move(hook), own_parameters());
 }
 
 std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(

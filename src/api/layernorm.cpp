@@ -126,6 +126,7 @@ LayerNormLinearImpl::LayerNormLinearImpl(const LayerNormLinearOptions& options_)
 }
 
 void LayerNormLinearImpl::reset() {
+  reduce_hooks_.clear();  // a clone starts without the original's hooks
   TORCH_CHECK_VALUE(options.in_features() > 0 && options.out_features() > 0,
                     "splitgrad::LayerNormLinear: expected positive in_features and out_features, "
                     "got ",
@@ -204,12 +205,11 @@ void LayerNormLinearImpl::tie_parameter(const std::string& name, const torch::Te
        {"bias", &bias}},
       param);
   parameters_[name] = param;
+  reduce_hooks_.follow(parameters(/*recurse=*/false));
 }
 
 void LayerNormLinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  for (const auto& param : parameters(/*recurse=*/false)) {
-    if (param.requires_grad()) register_grad_ready_hook(param, hook);
-  }
+  reduce_hooks_.add(std::move(hook), parameters(/*recurse=*/false));
 }
 
 std::shared_ptr<torch::nn::Module> LayerNormLinearImpl::clone(
@@ -243,6 +243,7 @@ LayerNormMLPImpl::LayerNormMLPImpl(const LayerNormMLPOptions& options_) : option
 }
 
 void LayerNormMLPImpl::reset() {
+  reduce_hooks_.clear();  // a clone starts without the original's hooks
   TORCH_CHECK_VALUE(options.hidden_size() > 0 && options.ffn_hidden_size() > 0,
                     "splitgrad::LayerNormMLP: expected positive hidden_size and ffn_hidden_size, "
                     "got ",
@@ -347,12 +348,11 @@ void LayerNormMLPImpl::tie_parameter(const std::string& name, const torch::Tenso
        {"fc2_bias", &fc2_bias}},
       param);
   parameters_[name] = param;
+  reduce_hooks_.follow(parameters(/*recurse=*/false));
 }
 
 void LayerNormMLPImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  for (const auto& param : parameters(/*recurse=*/false)) {
-    if (param.requires_grad()) register_grad_ready_hook(param, hook);
-  }
+  reduce_hooks_.add(std::move(hook), parameters(/*recurse=*/false));
 }
 
 std::shared_ptr<torch::nn::Module> LayerNormMLPImpl::clone(

@@ -22,6 +22,7 @@ void LinearImpl::reset() {
   bias = options.bias()
              ? register_parameter("bias", torch::empty({options.out_features()}, tensor_options))
              : register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
+  reduce_hooks_.clear();  // a clone starts without the original's hooks
   layer_ = detail::register_layer(options.name(), c10::str("Linear(", options.in_features(), ", ",
                                                            options.out_features(), ")"));
   reset_parameters();
@@ -74,6 +75,7 @@ void LinearImpl::tie_weight(const torch::Tensor& new_weight) {
   check_tie("weight", weight, new_weight);
   parameters_["weight"] = new_weight;
   weight = new_weight;
+  reduce_hooks_.follow({weight, bias});
 }
 
 void LinearImpl::tie_bias(const torch::Tensor& new_bias) {
@@ -82,6 +84,7 @@ void LinearImpl::tie_bias(const torch::Tensor& new_bias) {
   check_tie("bias", bias, new_bias);
   parameters_["bias"] = new_bias;
   bias = new_bias;
+  reduce_hooks_.follow({weight, bias});
 }
 
 std::shared_ptr<torch::nn::Module> LinearImpl::clone(
@@ -119,9 +122,7 @@ std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
 }
 
 void LinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  for (const auto& param : parameters(/*recurse=*/false)) {
-    if (param.requires_grad()) register_grad_ready_hook(param, hook);
-  }
+  reduce_hooks_.add(std::move(hook), {weight, bias});
 }
 
 }  // namespace splitgrad

@@ -4,6 +4,7 @@
 #include <torch/cuda.h>
 #include <torch/nn/init.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops/checks.h"
@@ -76,6 +77,33 @@ void check_tie(const LayerHandle& layer, const std::string& call, const std::str
                    dtype_name(tied.scalar_type()));
   TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
                     current.device(), " (the layer's device), got ", tied.device());
+}
+
+void ModuleReduceHooks::install(const GradReadyHook& hook, const std::vector<at::Tensor>& params) {
+  std::vector<at::Tensor> seen;
+  for (const auto& param : params) {
+    if (!param.defined() || !param.requires_grad()) continue;
+    if (std::any_of(seen.begin(), seen.end(), [&](const auto& p) { return p.is_same(param); }))
+      continue;  // tied within the module: one hook
+    seen.push_back(param);
+    handles_.push_back(register_grad_ready_hook(param, hook));
+  }
+}
+
+void ModuleReduceHooks::add(GradReadyHook hook, const std::vector<at::Tensor>& params) {
+  install(hook, params);
+  hooks_.push_back(std::move(hook));
+}
+
+void ModuleReduceHooks::follow(const std::vector<at::Tensor>& params) {
+  for (auto& handle : handles_) handle.remove();
+  handles_.clear();
+  for (const auto& hook : hooks_) install(hook, params);
+}
+
+void ModuleReduceHooks::clear() {
+  hooks_.clear();
+  handles_.clear();
 }
 
 }  // namespace splitgrad::detail

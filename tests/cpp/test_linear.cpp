@@ -763,6 +763,33 @@ TEST_F(LinearTest, GradReadyHookFiresOnceAfterTheLastBackwardDw) {
   EXPECT_EQ(bias1_calls, 3) << "the layer's own hook stays";
 }
 
+TEST_F(LinearTest, ReduceHooksFollowReTying) {
+  // Registered before tie_weight(): the hooks move to the tied weight (as the Python modules'),
+  // and fire once per pass after its last contribution; the untied old weight gets none.
+  Linear a(opts(16, 16).delay_wgrad_compute(true).name("a"));
+  Linear b(opts(16, 16).delay_wgrad_compute(true).name("b"));
+  std::vector<const c10::TensorImpl*> seen;
+  b->register_wgrad_accumulation_and_reduce_hooks(
+      [&](const at::Tensor& p) { seen.push_back(p.unsafeGetTensorImpl()); });
+  const torch::Tensor old_weight = b->weight;
+  b->tie_weight(a->weight);
+  b(torch::tanh(a(torch::randn({4, 16})))).sum().backward();
+  b->backward_dw();
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), a->weight.unsafeGetTensorImpl()), 0)
+      << "a still owes the tied weight its contribution";
+  a->backward_dw();
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), a->weight.unsafeGetTensorImpl()), 1);
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), b->bias.unsafeGetTensorImpl()), 1);
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), old_weight.unsafeGetTensorImpl()), 0);
+  EXPECT_EQ(seen.size(), 2u);
+  // A clone has hooks of its own only.
+  auto copy = std::dynamic_pointer_cast<splitgrad::LinearImpl>(b->clone());
+  seen.clear();
+  copy->forward(torch::randn({4, 16})).sum().backward();
+  copy->backward_dw();
+  EXPECT_TRUE(seen.empty());
+}
+
 TEST_F(LinearTest, GradReadyHookWithRegularAndDelayedUsers) {
   // A regular layer's contribution lands in autograd (AccumulateGrad); a delayed one's in
   // backward_dw(). The hook waits for both; for a regular-only pass it fires at the end of
