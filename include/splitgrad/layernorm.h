@@ -131,9 +131,9 @@ struct LayerNormMLPOptions {
   TORCH_ARG(bool, bias) = true;
   /// "LayerNorm" or "RMSNorm".
   TORCH_ARG(std::string, normalization) = "LayerNorm";
-  /// TE's names: "gelu" (the tanh approximation, as TE computes it), "relu", "silu", or the
-  /// gated "geglu", "reglu", "swiglu": fc1's output [a | b] gives act(a) * b (TE gates the
-  /// first half).
+  /// TE's names: "gelu" (the tanh approximation, as TE computes it), "relu", "silu", "qgelu",
+  /// "srelu", or the gated "geglu", "reglu", "swiglu", "qgeglu", "sreglu", "glu": fc1's output
+  /// [a | b] gives act(a) * b (TE gates the first half). See ops.h's activation().
   TORCH_ARG(std::string, activation) = "gelu";
   TORCH_ARG(bool, zero_centered_gamma) = false;
   TORCH_ARG(bool, delay_wgrad_compute) = false;

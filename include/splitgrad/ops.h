@@ -85,14 +85,15 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   bool lazy_main_grad = false);
 
 /// \name Activations (Transformer Engine's names)
-/// "gelu" (the tanh approximation), "relu", "silu", and the gated "geglu", "reglu", "swiglu",
+/// "gelu" (the tanh approximation), "relu", "silu", "qgelu" (x·sigmoid(1.702x)), "srelu"
+/// (relu(x)²), and the gated "geglu", "reglu", "swiglu", "qgeglu", "sreglu", "glu" (sigmoid),
 /// which compute act(a) * b for input = [a | b] along the last dimension (output: last dim halved).
 /// Throws c10::ValueError for another name or a gated input with an odd last dim, c10::TypeError
 /// for a non-floating input. Not differentiable themselves (linear() uses them in its autograd).
 /// @{
 
-/// act(input), bit-identical to the ATen composite (at::gelu(x, "tanh"), at::relu, at::silu;
-/// act(a) * b for a gated one).
+/// act(input), bit-identical to the ATen composite (at::gelu(x, "tanh"), at::relu, at::silu,
+/// x * at::sigmoid(x * 1.702), at::pow(at::relu(x), 2), at::sigmoid; act(a) * b for a gated one).
 at::Tensor activation(const at::Tensor& input, std::string_view activation);
 
 /// The gradient with respect to `input` (input's shape) for the gradient `grad_output` of the

@@ -53,16 +53,30 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-# TE's activations: (function, gated). TE's "gelu" is the tanh approximation. A gated one splits
-# fc1's output [*, 2·ffn] into halves (a, b) and computes act(a) * b: TE gates the first half
-# (PyTorch's F.glu gates the second).
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _squared_relu(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x).square()
+
+
+# TE's activations: (function, gated). TE's "gelu" is the tanh approximation, "qgelu" the quick
+# GELU x·sigmoid(1.702·x), "srelu" the squared ReLU. A gated one splits fc1's output [*, 2·ffn]
+# into halves (a, b) and computes act(a) * b: TE gates the first half (PyTorch's F.glu gates the
+# second; TE's "glu" is sigmoid(a) * b).
 _ACTIVATIONS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
     "gelu": (_gelu_tanh, False),
     "relu": (F.relu, False),
     "silu": (F.silu, False),
+    "qgelu": (_quick_gelu, False),
+    "srelu": (_squared_relu, False),
     "geglu": (_gelu_tanh, True),
     "reglu": (F.relu, True),
     "swiglu": (F.silu, True),
+    "qgeglu": (_quick_gelu, True),
+    "sreglu": (_squared_relu, True),
+    "glu": (torch.sigmoid, True),
 }
 
 

@@ -89,11 +89,7 @@ torch::Tensor normalize(const torch::Tensor& input, const std::string& normaliza
 }
 
 void check_activation(const std::string& activation) {
-  static const std::array<const char*, 6> names{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
-  TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), activation) != names.end(),
-                    "splitgrad::LayerNormMLP: expected activation \"gelu\", \"relu\", \"silu\", "
-                    "\"geglu\", \"reglu\" or \"swiglu\", got \"",
-                    activation, "\"");
+  detail::check_activation_name(detail::named("splitgrad::LayerNormMLP"), activation);
 }
 
 // Checks a tie and sets the member named `name` among `members` to `tied` (the caller updates

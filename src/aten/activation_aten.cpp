@@ -13,18 +13,26 @@
 namespace splitgrad::aten_backend {
 namespace {
 
-enum class Act { Gelu, Relu, Silu };
+// TE's activations; a gated one ("geglu" ... "glu") applies its act to the first half. "qgelu" is
+// x * sigmoid(1.702 x), "srelu" relu(x)², and "glu"'s act the sigmoid: each computed with the ops
+// of the plain PyTorch composite (x * torch.sigmoid(1.702 * x), torch.relu(x).square()).
+enum class Act { Gelu, Relu, Silu, QGelu, SRelu, Sigmoid };
 
 struct Parsed {
   Act act;
   bool gated;
 };
 
+constexpr double kQuickGelu = 1.702;
+
 // The name, already checked.
 Parsed parse(std::string_view name) {
   const bool gated = detail::is_gated_activation(std::string(name));
   if (name == "gelu" || name == "geglu") return {Act::Gelu, gated};
   if (name == "relu" || name == "reglu") return {Act::Relu, gated};
+  if (name == "qgelu" || name == "qgeglu") return {Act::QGelu, gated};
+  if (name == "srelu" || name == "sreglu") return {Act::SRelu, gated};
+  if (name == "glu") return {Act::Sigmoid, gated};
   return {Act::Silu, gated};
 }
 
@@ -48,11 +56,18 @@ at::Tensor act(Act a, const at::Tensor& x) {
       return at::relu(x);
     case Act::Silu:
       return at::silu(x);
+    case Act::QGelu:
+      return x * at::sigmoid(x * kQuickGelu);
+    case Act::SRelu:
+      return at::pow(at::relu(x), 2);  // torch.square is pow(x, 2)
+    case Act::Sigmoid:
+      return at::sigmoid(x);
   }
   TORCH_INTERNAL_ASSERT(false);
 }
 
-// act(x) into `out` (at::relu is at::clamp_min(x, 0), which has an out= form).
+// act(x) into `out` (at::relu is at::clamp_min(x, 0), which has an out= form; the composites are
+// computed, then copied).
 void act_out(Act a, at::Tensor& out, const at::Tensor& x) {
   switch (a) {
     case Act::Gelu:
@@ -64,11 +79,21 @@ void act_out(Act a, at::Tensor& out, const at::Tensor& x) {
     case Act::Silu:
       at::silu_out(out, x);
       return;
+    case Act::Sigmoid:
+      at::sigmoid_out(out, x);
+      return;
+    case Act::QGelu:
+    case Act::SRelu:
+      out.copy_(act(a, x));
+      return;
   }
 }
 
-// The gradient autograd's GeluBackward0 / ReluBackward0 / SiluBackward0 computes. ReluBackward0
-// reads relu's result, not its input: `result <= 0` exactly where `input <= 0`, so the same values.
+// The gradient autograd computes for the composite: GeluBackward0 / ReluBackward0 / SiluBackward0 /
+// SigmoidBackward0 (the sigmoid recomputed: the values it saved); for qgelu the sum of
+// MulBackward0's two paths, grad * s and sigmoid_backward(grad * x, s) * 1.702; for srelu
+// PowBackward0's grad * (2 * r), then ReluBackward0. ReluBackward0 reads relu's result, not its
+// input: `result <= 0` exactly where `input <= 0`, so the same values.
 at::Tensor act_backward(Act a, const at::Tensor& grad, const at::Tensor& x) {
   switch (a) {
     case Act::Gelu:
@@ -77,6 +102,14 @@ at::Tensor act_backward(Act a, const at::Tensor& grad, const at::Tensor& x) {
       return at::threshold_backward(grad, x, 0);
     case Act::Silu:
       return at::silu_backward(grad, x);
+    case Act::Sigmoid:
+      return at::sigmoid_backward(grad, at::sigmoid(x));
+    case Act::QGelu: {
+      const at::Tensor s = at::sigmoid(x * kQuickGelu);
+      return grad * s + at::sigmoid_backward(grad * x, s) * kQuickGelu;
+    }
+    case Act::SRelu:
+      return at::threshold_backward(grad * (at::relu(x) * 2), x, 0);
   }
   TORCH_INTERNAL_ASSERT(false);
 }
@@ -91,6 +124,11 @@ void act_backward_out(Act a, at::Tensor& out, const at::Tensor& grad, const at::
       return;
     case Act::Silu:
       at::silu_backward_out(out, grad, x);
+      return;
+    case Act::Sigmoid:
+    case Act::QGelu:
+    case Act::SRelu:
+      out.copy_(act_backward(a, grad, x));
       return;
   }
 }

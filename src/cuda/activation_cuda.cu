@@ -3,9 +3,9 @@
 // pass each over contiguous bf16 / fp16 / fp32 rows:
 //   forward   reads a and b once, writes y once
 //   backward  reads grad, a and b once, writes both halves of d input once
-// Everything else (the plain "gelu", "relu", "silu", other dtypes, non-contiguous tensors) runs the
-// ATen composite the kernels replace (src/aten/activation_aten.cpp). Both check their arguments
-// with the same detail::check_activation_args, so the errors are one set.
+// Everything else (the plain activations, the other gated ones, other dtypes, non-contiguous
+// tensors) runs the ATen composite the kernels replace (src/aten/activation_aten.cpp). Both check
+// their arguments with the same detail::check_activation_args, so the errors are one set.
 //
 // Numerics: the results are bit-identical to that composite and to torch.autograd of it, because
 // LayerNormMLP's recomputed forward and its delayed and immediate gradients are compared bit for
@@ -45,15 +45,15 @@ enum class Act { kGelu, kRelu, kSilu };
 
 struct Activation {
   Act act;
-  bool gated;
+  bool fused;  // one of the gated activations these kernels compute
 };
 
 // The name, checked already (detail::check_activation_args).
 Activation parse_activation(c10::string_view name) {
-  const Act act = name == "gelu" || name == "geglu"   ? Act::kGelu
-                  : name == "relu" || name == "reglu" ? Act::kRelu
-                                                      : Act::kSilu;
-  return {act, detail::is_gated_activation(std::string(name))};
+  if (name == "geglu") return {Act::kGelu, true};
+  if (name == "reglu") return {Act::kRelu, true};
+  if (name == "swiglu") return {Act::kSilu, true};
+  return {Act::kSilu, false};  // the others run the ATen composite
 }
 
 // ---- Device math: ATen's CUDA formulas, in fp32 (opmath for bf16 / fp16 / fp32).
@@ -296,7 +296,7 @@ struct BackwardLaunch {
 at::Tensor activation_cuda(const at::Tensor& input, c10::string_view name) {
   detail::check_activation_args(detail::named("splitgrad::activation"), input, std::string(name));
   const Activation activation = parse_activation(name);
-  if (!activation.gated || !fusable({&input})) return aten_backend::activation(input, name);
+  if (!activation.fused || !fusable({&input})) return aten_backend::activation(input, name);
   c10::cuda::CUDAGuard guard(input.device());
   std::vector<int64_t> sizes = input.sizes().vec();
   sizes.back() /= 2;
@@ -314,7 +314,7 @@ at::Tensor activation_backward_cuda(const at::Tensor& grad_output, const at::Ten
   detail::check_activation_backward_args(detail::named("splitgrad::activation_backward"),
                                          grad_output, input, std::string(name));
   const Activation activation = parse_activation(name);
-  if (!activation.gated || !fusable({&input, &grad_output})) {
+  if (!activation.fused || !fusable({&input, &grad_output})) {
     return aten_backend::activation_backward(grad_output, input, name);
   }
   c10::cuda::CUDAGuard guard(input.device());

@@ -105,15 +105,22 @@ void check_gemm_args(Who who, const at::Tensor& input, const at::Tensor& weight,
 }
 
 bool is_gated_activation(const std::string& activation) {
-  return activation == "geglu" || activation == "reglu" || activation == "swiglu";
+  return activation == "geglu" || activation == "reglu" || activation == "swiglu" ||
+         activation == "qgeglu" || activation == "sreglu" || activation == "glu";
+}
+
+void check_activation_name(Who who, const std::string& activation) {
+  static const std::array<const char*, 11> names{"gelu",   "relu",   "silu",  "qgelu",
+                                                 "srelu",  "geglu",  "reglu", "swiglu",
+                                                 "qgeglu", "sreglu", "glu"};
+  TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), activation) != names.end(), who(),
+                    ": expected activation \"gelu\", \"relu\", \"silu\", \"qgelu\", \"srelu\", "
+                    "\"geglu\", \"reglu\", \"swiglu\", \"qgeglu\", \"sreglu\" or \"glu\", got \"",
+                    activation, "\"");
 }
 
 void check_activation_args(Who who, const at::Tensor& input, const std::string& activation) {
-  static const std::array<const char*, 6> names{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
-  TORCH_CHECK_VALUE(std::find(names.begin(), names.end(), activation) != names.end(), who(),
-                    ": expected activation \"gelu\", \"relu\", \"silu\", \"geglu\", \"reglu\" or "
-                    "\"swiglu\", got \"",
-                    activation, "\"");
+  check_activation_name(who, activation);
   TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()), who(),
                    ": expected a floating-point input to activation \"", activation, "\", got ",
                    dtype_name(input.scalar_type()));
@@ -153,10 +160,10 @@ at::Tensor activation_gemm_input(Who who, const at::Tensor& input, const std::st
   if (weight.dim() == 2) {  // else check_linear_args says what the weight should be
     const bool gated = is_gated_activation(activation);
     const c10::SymInt width = weight.sym_size(1) * (gated ? 2 : 1);
-    TORCH_CHECK_VALUE(input.sym_size(-1) == width, who(), ": expected input of shape [*, ", width,
-                      "] for activation \"", activation, "\" before in_features = ",
-                      weight.sym_size(1), gated ? " (a gated activation halves its input)" : "",
-                      ", got shape ", input.sym_sizes());
+    TORCH_CHECK_VALUE(
+        input.sym_size(-1) == width, who(), ": expected input of shape [*, ", width,
+        "] for activation \"", activation, "\" before in_features = ", weight.sym_size(1),
+        gated ? " (a gated activation halves its input)" : "", ", got shape ", input.sym_sizes());
   }
   return activation_output_view(input, activation);
 }

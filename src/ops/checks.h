@@ -51,10 +51,13 @@ void check_gemm_args(Who who, const at::Tensor& input, const at::Tensor& weight,
                      const std::string& weight_name, const std::string& bias_name,
                      std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
-/// TE's activation names: "gelu" (tanh approximation), "relu", "silu", and the gated "geglu",
-/// "reglu", "swiglu" (act(a) * b for input [a | b] along the last dimension).
+/// TE's activation names: "gelu" (tanh approximation), "relu", "silu", "qgelu" (x·sigmoid(1.702x)),
+/// "srelu" (relu(x)²), and the gated "geglu", "reglu", "swiglu", "qgeglu", "sreglu", "glu"
+/// (act(a) * b for input [a | b] along the last dimension; glu's act is the sigmoid).
 bool is_gated_activation(const std::string& activation);
-/// `activation` one of those six, input floating-point with at least one dimension, and a gated
+/// `activation` one of those names (c10::ValueError listing them otherwise).
+void check_activation_name(Who who, const std::string& activation);
+/// check_activation_name, input floating-point with at least one dimension, and a gated
 /// activation's last dimension even.
 void check_activation_args(Who who, const at::Tensor& input, const std::string& activation);
 /// check_activation_args, and grad_output shaped as the activation's output, of input's dtype and
@@ -64,9 +67,10 @@ void check_activation_backward_args(Who who, const at::Tensor& grad_output, cons
 /// A tensor shaped as the activation's output, without computing it: `input` itself, or for a
 /// gated activation its first half (a view). For the checks of the GEMM that consumes the output.
 at::Tensor activation_output_view(const at::Tensor& input, const std::string& activation);
-/// For a GEMM whose input is `activation(input)` (linear's input_activation): check_activation_args,
-/// then input's width against the weight's in_features (twice that for a gated activation), in a
-/// message about the tensor the caller passed; returns activation_output_view for the GEMM's checks.
+/// For a GEMM whose input is `activation(input)` (linear's input_activation):
+/// check_activation_args, then input's width against the weight's in_features (twice that for a
+/// gated activation), in a message about the tensor the caller passed; returns
+/// activation_output_view for the GEMM's checks.
 at::Tensor activation_gemm_input(Who who, const at::Tensor& input, const std::string& activation,
                                  const at::Tensor& weight);
 /// grad_output [*, out] and input [*, in] with the same leading dims, dtype and device.

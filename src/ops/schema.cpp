@@ -15,7 +15,8 @@ TORCH_LIBRARY(splitgrad, m) {
       "linear(Tensor input, Tensor weight, Tensor? bias, Tensor? weight_main_grad, "
       "Tensor? bias_main_grad, int layer_id, bool delay_wgrad_compute, "
       "str? input_activation=None, bool lazy_main_grad=False) -> Tensor");
-  // TE's activations ("gelu" tanh-approximated, "relu", "silu"; gated "geglu", "reglu", "swiglu":
+  // TE's activations ("gelu" tanh-approximated, "relu", "silu", "qgelu", "srelu"; gated "geglu",
+  // "reglu", "swiglu", "qgeglu", "sreglu", "glu":
   // act(a) * b for input [a | b] along the last dim). activation_backward returns the gradient
   // with respect to `input`. linear's input_activation applies one to its input first.
   m.def("activation(Tensor input, str activation) -> Tensor");

@@ -22,7 +22,13 @@ using splitgrad::LayerNormMLPOptions;
 using splitgrad_test::error_message;
 
 constexpr int64_t kHidden = 8, kFfn = 12, kOut = 6;
-const std::vector<std::string> kActivations{"gelu", "relu", "silu", "geglu", "reglu", "swiglu"};
+const std::vector<std::string> kActivations{"gelu",  "relu",   "silu",   "qgelu",  "srelu", "geglu",
+                                            "reglu", "swiglu", "qgeglu", "sreglu", "glu"};
+
+bool is_gated(const std::string& name) {
+  return name == "geglu" || name == "reglu" || name == "swiglu" || name == "qgeglu" ||
+         name == "sreglu" || name == "glu";
+}
 const std::vector<std::string> kNorms{"LayerNorm", "RMSNorm"};
 
 ::testing::AssertionResult Bitwise(const torch::Tensor& actual, const torch::Tensor& expected) {
@@ -57,12 +63,16 @@ torch::Tensor ref_norm(const torch::Tensor& x, const std::string& normalization,
 }
 
 torch::Tensor ref_activation(const std::string& name, const torch::Tensor& x) {
+  // TE's activations as plain libtorch composites (qgelu: x * sigmoid(1.702 x); srelu: relu(x)²)
   auto act = [&](const torch::Tensor& t) {
     if (name == "gelu" || name == "geglu") return torch::gelu(t, "tanh");
     if (name == "relu" || name == "reglu") return torch::relu(t);
+    if (name == "qgelu" || name == "qgeglu") return t * torch::sigmoid(t * 1.702);
+    if (name == "srelu" || name == "sreglu") return torch::square(torch::relu(t));
+    if (name == "glu") return torch::sigmoid(t);
     return torch::silu(t);
   };
-  if (name == "gelu" || name == "relu" || name == "silu") return act(x);
+  if (!is_gated(name)) return act(x);
   auto halves = x.chunk(2, -1);  // TE gates the first half
   return act(halves[0]) * halves[1];
 }
@@ -273,7 +283,7 @@ TEST(ActivationOps, MatchTheCompositeAndItsAutograd) {
   for (const auto& name : kActivations) {
     SCOPED_TRACE(name);
     for (auto dtype : {torch::kFloat, torch::kDouble, torch::kBFloat16, torch::kHalf}) {
-      const bool gated = name == "geglu" || name == "reglu" || name == "swiglu";
+      const bool gated = is_gated(name);
       auto x = (torch::randn({5, gated ? 8 : 4}) * 2).to(dtype).requires_grad_();
       auto dy = torch::randn({5, 4}).to(dtype);
       auto want = ref_activation(name, x);

@@ -85,8 +85,10 @@ def ref_activation(name: str, x: torch.Tensor) -> torch.Tensor:
     """TE's activations in plain PyTorch: gelu is the tanh approximation; gated ones act on the
     first half and multiply by the second."""
     fns = {"gelu": lambda t: nn.functional.gelu(t, approximate="tanh"), "relu": torch.relu,
-           "silu": nn.functional.silu}
-    gated = {"geglu": "gelu", "reglu": "relu", "swiglu": "silu"}
+           "silu": nn.functional.silu, "qgelu": lambda t: t * torch.sigmoid(1.702 * t),
+           "srelu": lambda t: torch.relu(t).square(), "sigmoid": torch.sigmoid}
+    gated = {"geglu": "gelu", "reglu": "relu", "swiglu": "silu", "qgeglu": "qgelu", "sreglu": "srelu",
+             "glu": "sigmoid"}
     if name in gated:
         a, b = x.chunk(2, dim=-1)
         return fns[gated[name]](a) * b

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.skipif(
 OPS = torch.ops.splitgrad
 GATED = ["geglu", "reglu", "swiglu"]
 PLAIN = ["gelu", "relu", "silu"]
+# TE's other activations: the ATen composite on CUDA too (no fused kernel)
+COMPOSITE = ["qgelu", "srelu", "qgeglu", "sreglu", "glu"]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # Input shapes (last dim 2n): no rows, one row, odd n, n = 1, n a multiple of 4 but not 8 (fp32's
 # 16-byte path, bf16's scalar one), n a multiple of 8, wide rows, 3-D.
@@ -42,7 +44,7 @@ def reference(name, x, grad):
 
 def output_grad(name, x, seed=1):
     shape = list(x.shape)
-    if name in GATED:
+    if name in GATED or name in ("qgeglu", "sreglu", "glu"):
         shape[-1] //= 2
     return make_input(shape, x.dtype, seed)
 
@@ -72,6 +74,17 @@ def test_gated_forward_and_backward_equal_the_aten_composite(name, dtype, shape)
     assert_bitwise(f"{name} {dtype} {shape} forward", y, want_y)
     dx = OPS.activation_backward(grad, x, name)
     assert_bitwise(f"{name} {dtype} {shape} backward", dx, want_dx)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", COMPOSITE)
+def test_other_te_activations_equal_the_aten_composite_on_cuda(name, dtype):
+    for shape in [(5, 14), (33, 128), (3, 4, 48)]:
+        x = make_input(shape, dtype)
+        grad = output_grad(name, x)
+        want_y, want_dx = reference(name, x, grad)
+        assert_bitwise(f"{name} {dtype} {shape} forward", OPS.activation(x, name), want_y)
+        assert_bitwise(f"{name} {dtype} {shape} backward", OPS.activation_backward(grad, x, name), want_dx)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -14,8 +14,8 @@ from sg_helpers import ref_activation
 
 ops = torch.ops.splitgrad
 ALL_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-ACTIVATIONS = ["gelu", "relu", "silu", "geglu", "reglu", "swiglu"]
-GATED = ("geglu", "reglu", "swiglu")
+ACTIVATIONS = ["gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu", "qgeglu", "sreglu", "glu"]
+GATED = ("geglu", "reglu", "swiglu", "qgeglu", "sreglu", "glu")
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 EXACT = dict(rtol=0, atol=0)
 
@@ -53,7 +53,8 @@ def test_activation_backward_equals_autograd_of_the_composite(activation, dtype)
 def test_activation_errors_are_clear():
     x = torch.randn(4, 6)
     with pytest.raises(ValueError, match=r'splitgrad::activation: expected activation "gelu", "relu", "silu", '
-                                         r'"geglu", "reglu" or "swiglu", got "tanh"'):
+                                         r'"qgelu", "srelu", "geglu", "reglu", "swiglu", "qgeglu", "sreglu" '
+                                         r'or "glu", got "tanh"'):
         ops.activation(x, "tanh")
     with pytest.raises(ValueError, match=r'gated activation "swiglu" expects an even last dimension.*\[4, 5\]'):
         ops.activation(torch.randn(4, 5), "swiglu")

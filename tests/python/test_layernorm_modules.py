@@ -19,7 +19,7 @@ import splitgrad
 from sg_helpers import (DEVICES, NO_CUDA, assert_grads_match, backward_dw_each, named_gradients, ref_activation,
                         run_schedule, to_reference)
 
-ACTIVATIONS = ["gelu", "relu", "silu", "geglu", "reglu", "swiglu"]
+ACTIVATIONS = ["gelu", "relu", "silu", "qgelu", "srelu", "geglu", "reglu", "swiglu", "qgeglu", "sreglu", "glu"]
 NORMS = ["LayerNorm", "RMSNorm"]
 DTYPES = [torch.float32, torch.bfloat16]
 H, FFN, OUT = 8, 12, 6
