@@ -157,7 +157,8 @@ class LayerNormLinear(_NormedModule):
     ) -> None:
         super().__init__()
         _refuse_unsupported("LayerNormLinear", te_keywords, _TE_LAYERNORM_LINEAR_DEFAULTS)
-        _check_sizes("LayerNormLinear", in_features=in_features, out_features=out_features)
+        in_features, out_features = _check_sizes("LayerNormLinear", in_features=in_features,
+                                                 out_features=out_features)
         _check_params_dtype("LayerNormLinear", params_dtype)
         self.in_features = in_features
         self.out_features = out_features
@@ -245,7 +246,8 @@ class LayerNormMLP(_NormedModule):
     ) -> None:
         super().__init__()
         _refuse_unsupported("LayerNormMLP", te_keywords, _TE_LAYERNORM_MLP_DEFAULTS)
-        _check_sizes("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        hidden_size, ffn_hidden_size = _check_sizes("LayerNormMLP", hidden_size=hidden_size,
+                                                    ffn_hidden_size=ffn_hidden_size)
         _check_params_dtype("LayerNormMLP", params_dtype)
         if activation not in _ACTIVATIONS:
             raise ArgumentError(
