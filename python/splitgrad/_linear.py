@@ -393,7 +393,8 @@ class Linear(_DeferredWgradModule):
         in_features, out_features: sizes of x's last dimension and of y's.
         bias: whether the layer has a bias.
         params_dtype: parameter dtype (default: torch's default dtype).
-        device: parameter device (default: CUDA when available, else the CPU).
+        device: parameter device (default: that of a ``with torch.device(...)`` block or
+            ``torch.set_default_device`` where one is set, else CUDA when available, else the CPU).
         delay_wgrad_compute: queue the weight/bias gradient in backward; compute it in backward_dw().
         fuse_wgrad_accumulation: add the weight gradient in fp32 into ``weight.main_grad`` (set by
             the caller, as Megatron does) instead of ``weight.grad``, and the bias gradient into
