@@ -198,5 +198,25 @@ def _install_guards() -> None:
     torch.optim.Optimizer.zero_grad = guarded_optimizer_zero_grad
     torch.nn.Module.zero_grad = guarded_module_zero_grad
 
+    # Clipping reads the gradients as they are: before backward_dw() it clips partial gradients,
+    # and the deferred parts land unclipped afterwards.
+    for name in ("clip_grad_norm_", "clip_grad_value_"):
+        clip = getattr(torch.nn.utils.clip_grad, name)
+
+        @functools.wraps(clip)
+        def guarded_clip(*args, _clip=clip, _name=name, **kwargs):
+            if _C.pending_wgrads():
+                params = kwargs["parameters"] if "parameters" in kwargs else args[0]
+                params = [params] if isinstance(params, torch.Tensor) else list(params)
+                if "parameters" in kwargs:
+                    kwargs["parameters"] = params
+                else:
+                    args = (params, *args[1:])
+                check_no_pending(f"torch.nn.utils.{_name}()", params)
+            return _clip(*args, **kwargs)
+
+        setattr(torch.nn.utils.clip_grad, name, guarded_clip)
+        setattr(torch.nn.utils, name, guarded_clip)
+
 
 _install_guards()

@@ -18,6 +18,8 @@ optimizer step calls it by itself).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
 import weakref
 from typing import Any
@@ -42,6 +44,15 @@ _lock = threading.Lock()
 # nobody has waited for yet.
 _groups: "weakref.WeakSet[_DeferredGroup]" = weakref.WeakSet()
 _in_flight: "weakref.WeakSet[_DeferredGroup]" = weakref.WeakSet()
+# The groups whose reduce-scatter the backward held back, in launch order: the reverse of the order
+# fully_shard() made them (bottom-up: the root, holding the output layer whose backward_dw()
+# usually runs first, then the last block, ...), the same on every rank. They start in that order,
+# whatever order each rank's backward_dw() calls complete them in: collectives issued in a
+# rank-dependent order would pair one rank's group with another's (a wrong sum, or gloo's
+# size-mismatch abort).
+_held: "list[_DeferredGroup]" = []
+_launching = threading.RLock()  # one thread starts held reductions at a time, in queue order
+_made = itertools.count()
 #: One entry per reduce-scatter a splitgrad-managed FSDP group started: (the group's delayed layers,
 #: when), ``when`` being "backward" (nothing deferred was owed: FSDP's usual place) or
 #: "backward_dw" (started right after the last deferred contribution landed). Tests and users read
@@ -62,6 +73,7 @@ class _DeferredGroup:
         self.handles = []
         self.deferred = False  # FSDP's post-backward was held back for deferred work
         self.drops_seen = 0  # deferred items dropped for this group's parameters, at the last reduction
+        self.launch_rank = -next(_made)  # place in _held: made later, launched earlier
         self.group.post_backward = self.post_backward
         if self.delayed:
             module.register_forward_pre_hook(self._register_hooks_once)
@@ -94,6 +106,8 @@ class _DeferredGroup:
             if self.group.reshard_after_backward:
                 self.group.reshard()
             self.deferred = True
+            with _lock:
+                bisect.insort(_held, self, key=lambda g: g.launch_rank)
             return
         reduces = self.group.reduce_grads and self._has_unsharded_grads()
         self.original_post_backward(*unused)
@@ -106,10 +120,13 @@ class _DeferredGroup:
                    for p in self.group.fsdp_params)
 
     def _ready(self, _param: torch.Tensor) -> None:
-        # A contribution dropped since the last reduction leaves the gradient incomplete:
-        # finish_fsdp_reductions() reports that instead of reducing a partial sum.
-        if self.deferred and not self.owed() and self._drops() == self.drops_seen:
-            self.reduce_deferred()
+        _launch_held()
+
+    def complete(self) -> bool:
+        """Held back, and nothing deferred is owed any more. A contribution dropped since the last
+        reduction leaves the gradient incomplete: finish_fsdp_reductions() reports that instead of
+        reducing a partial sum."""
+        return self.deferred and not self.owed() and self._drops() == self.drops_seen
 
     def reduce_deferred(self) -> None:
         """Starts the held-back reduce-scatter of every unsharded gradient of the group."""
@@ -125,6 +142,9 @@ class _DeferredGroup:
             _in_flight.add(self)
 
     def discard_unsharded_grads(self) -> None:
+        with _lock:
+            if self in _held:
+                _held.remove(self)
         self.deferred = False
         self.drops_seen = self._drops()
         for fsdp_param in self.group.fsdp_params:
@@ -138,6 +158,17 @@ class _DeferredGroup:
         if comm.reduce_scatter_state is not None and comm.reduce_scatter_state.event is not None:
             self.group.device_handle.current_stream().wait_event(comm.reduce_scatter_state.event)
         comm.reduce_scatter_state = None
+
+
+def _launch_held() -> None:
+    """Starts the held-back reductions at the head of the queue that can start."""
+    with _launching:
+        while True:
+            with _lock:
+                if not _held or not _held[0].complete():
+                    return
+                group = _held.pop(0)
+            group.reduce_deferred()
 
 
 def _unsharded_aliases(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -217,9 +248,10 @@ def finish_fsdp_reductions() -> None:
     gradients are discarded, so no partial gradient is reduced now or mixed into the next step.
     A unit whose deferred work is still pending stays held back (it reduces when the work lands).
     """
-    stranded = [g for g in list(_groups) if g.deferred and not g.owed()]
+    stranded = [g for g in list(_groups) if g.deferred and not g.owed() and not g.complete()]
     for group in stranded:
         group.discard_unsharded_grads()
+    _launch_held()  # those the stranded ones held up
     with _lock:
         groups = list(_in_flight)
         _in_flight.clear()

@@ -107,6 +107,9 @@ class GroupedLinear(_DeferredWgradModule):
         self._register(name)
         self.reset_parameters(init_method)
 
+    def _deferred_parameter_names(self) -> list[str]:
+        return [f"{kind}{i}" for kind in ("weight", "bias") for i in range(self.num_gemms)]
+
     def _default_name(self, layer_id) -> str:
         return f"GroupedLinear({self.num_gemms}, {self.in_features}, {self.out_features})#{layer_id}"
 

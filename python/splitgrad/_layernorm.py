@@ -269,6 +269,9 @@ class LayerNormMLP(_NormedModule):
         self._register(name)
         self.reset_parameters(init_method, output_layer_init_method)
 
+    def _deferred_parameter_names(self) -> list[str]:
+        return ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+
     def _default_name(self, layer_id) -> str:
         return f"LayerNormMLP({self.hidden_size}, {self.ffn_hidden_size})#{layer_id}"
 

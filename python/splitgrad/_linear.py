@@ -6,13 +6,16 @@ import contextlib
 import inspect
 import math
 import operator
+import threading
 import warnings
+import weakref
 from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as forward_ad
 from torch import nn
 from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, peek_interpreter_stack
+from torch.nn.parallel import DistributedDataParallel
 
 from . import _C
 from ._deferred import check_no_pending, register_grad_ready_hook
@@ -178,6 +181,20 @@ class _DeferredWgradModule(nn.Module):
         self._reduce_hooks: list[Callable] = []
         self._reduce_hook_handles: list = []
         self.register_state_dict_pre_hook(_DeferredWgradModule._state_dict_pre_hook)
+        for param_name in self._deferred_parameter_names():
+            self._mark_deferred(getattr(self, param_name, None))
+
+    def _deferred_parameter_names(self) -> list[str]:
+        """The parameters whose gradients the module's GEMMs compute (deferred with
+        delay_wgrad_compute), as opposed to a norm's."""
+        return ["weight", "bias"]
+
+    def _mark_deferred(self, param) -> None:
+        # TE's mark on a delayed module's GEMM parameters: Megatron's DDP then reduces them from the
+        # module's register_wgrad_accumulation_and_reduce_hooks, not from AccumulateGrad's hook
+        # (which runs in the backward, before backward_dw()).
+        if self.delay_wgrad_compute and isinstance(param, nn.Parameter):
+            param.skip_backward_post_hook = True
 
     def _default_name(self, layer_id) -> str:
         raise NotImplementedError
@@ -208,6 +225,29 @@ class _DeferredWgradModule(nn.Module):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
+        if self.delay_wgrad_compute and DistributedDataParallel._active_ddp_module is not None:
+            self._check_not_reduced_by_ddp(DistributedDataParallel._active_ddp_module)
+
+    def _check_not_reduced_by_ddp(self, ddp: DistributedDataParallel) -> None:
+        """torch's DDP all-reduces each gradient from AccumulateGrad's hook, during the backward:
+        before backward_dw() has computed a delayed layer's. Its reduction would silently leave
+        those gradients local, so a delayed layer it reduces is refused."""
+        if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+            return  # no_sync(): DDP reduces nothing in this backward
+        reduced = ddp.__dict__.get("_splitgrad_reduced_ids")
+        if reduced is None:
+            params = getattr(ddp, "_module_parameters", None) or list(ddp.module.parameters())
+            reduced = ddp.__dict__["_splitgrad_reduced_ids"] = {id(p) for p in params}
+        names = [n for n in self._deferred_parameter_names()
+                 if id(getattr(self, n, None)) in reduced and getattr(self, n).requires_grad]
+        if names:
+            raise RuntimeError(
+                f"splitgrad layer '{self.name}' (delay_wgrad_compute=True) runs inside "
+                "torch.nn.parallel.DistributedDataParallel, which all-reduces gradients during the "
+                f"backward, before backward_dw() computes this layer's ({', '.join(names)}): they would "
+                "stay unreduced. Reduce with splitgrad.distributed.GradReducer (which waits for the "
+                "deferred gradients), or build the layer with delay_wgrad_compute=False."
+            )
 
     def _linear_path(self, inp: torch.Tensor) -> str:
         """How this forward's linear maps run: "export" (torch.export), "functional" (torch.func
@@ -312,9 +352,16 @@ class _DeferredWgradModule(nn.Module):
         return self._layer.pending()
 
     def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable) -> None:
-        """TE's name: run ``hook`` for each parameter of this module once its gradient for a backward
-        pass is complete (after the last contribution, from this or any module it is tied to).
-        ``hook(param)`` is called if it takes an argument, else ``hook()`` as in TE."""
+        """TE's name, for gradient reducers. A hook that takes an argument is a grad-ready hook
+        (:func:`splitgrad.register_grad_ready_hook`) on each parameter of this module: ``hook(param)``
+        once per backward pass, after the last contribution to ``param`` (from this or any module it
+        is tied to); registered on several modules sharing a parameter, it runs once for it.
+
+        A hook that takes no argument, or only ``*args``, is called as TE calls it: ``hook()``, once
+        per backward pass of the module, when every parameter of the module has its complete
+        gradient of that pass. Megatron's DDP registers one such hook per parameter, on each module
+        holding it (for the parameters TE marks ``skip_backward_post_hook``, as splitgrad's delayed
+        modules mark theirs)."""
         if not callable(hook):
             raise TypeError(f"expected a callable hook, got {type(hook).__name__}")
         self._reduce_hooks.append(hook)
@@ -333,16 +380,21 @@ class _DeferredWgradModule(nn.Module):
         for handle in self._reduce_hook_handles:
             handle.remove()
         self._reduce_hook_handles = []
+        params = [p for p in self._own_parameters() if p.requires_grad]
         for hook in self._reduce_hooks:
-            call = hook if _takes_an_argument(hook) else (lambda _param, hook=hook: hook())
-            for param in self._own_parameters():
-                if param.requires_grad:
-                    self._reduce_hook_handles.append(register_grad_ready_hook(param, call))
+            if _takes_the_parameter(hook):
+                self._reduce_hook_handles += [_SharedParamHook.register(p, hook, self) for p in params]
+            else:
+                call = _ModulePassHook(hook, params)
+                self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
-        if self.__dict__.get("_reduce_hooks") and name in self._parameters:
-            self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
+        if name in self._parameters and "_layer" in self.__dict__:
+            if name in self._deferred_parameter_names():
+                self._mark_deferred(value)
+            if self._reduce_hooks:
+                self._install_reduce_hooks()  # tied after the hooks were registered: follow the new parameter
 
     def __getstate__(self):
         # the hook handles belong to this module's parameters: a copy installs its own (__setstate__)
@@ -493,14 +545,89 @@ def _reset_linear(weight, bias, init_method) -> None:
             nn.init.uniform_(bias, -bound, bound)
 
 
-def _takes_an_argument(fn: Callable) -> bool:
+def _takes_the_parameter(fn: Callable) -> bool:
+    """Whether a reduce hook has a positional parameter for the parameter (``fn(param)``), rather
+    than TE's no-argument form (``fn()``, ``fn(*unused)``)."""
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return True
-    return any(
-        p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in parameters
-    )
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+class _SharedReduceHooks:
+    """The per-parameter reduce hooks modules registered on a parameter, kept on the parameter
+    (``param.__dict__``) as its grad-ready hooks are: copies and pickles get none."""
+
+    def __init__(self) -> None:
+        self.entries: dict[int, list] = {}  # id(hook) -> [hook, grad-ready handle, owners' ids]
+
+    def __reduce__(self):
+        return (_SharedReduceHooks, ())
+
+    def __deepcopy__(self, memo):
+        return _SharedReduceHooks()
+
+
+_SHARED_HOOKS_ATTR = "_splitgrad_shared_reduce_hooks"
+
+
+class _SharedParamHook:
+    """A per-parameter reduce hook as modules register it: one grad-ready hook per (parameter, hook)
+    pair, however many modules holding the parameter registered that hook (a reducer registered on
+    every module must reduce a tied weight once, not once per module). ``remove()`` drops this
+    module's share; the last one removes the hook."""
+
+    _lock = threading.Lock()
+
+    def __init__(self, param: torch.Tensor, hook_id: int, owner: int) -> None:
+        self._param, self._hook_id, self._owner = weakref.ref(param), hook_id, owner
+
+    @classmethod
+    def register(cls, param: torch.Tensor, hook: Callable, module: nn.Module) -> "_SharedParamHook":
+        with cls._lock:
+            shared = param.__dict__.get(_SHARED_HOOKS_ATTR)
+            if shared is None:
+                shared = param.__dict__[_SHARED_HOOKS_ATTR] = _SharedReduceHooks()
+            entry = shared.entries.get(id(hook))
+            if entry is None:
+                entry = shared.entries[id(hook)] = [hook, register_grad_ready_hook(param, hook), set()]
+            entry[2].add(id(module))
+        return cls(param, id(hook), id(module))
+
+    def remove(self) -> None:
+        param = self._param()
+        if param is None:
+            return
+        with self._lock:
+            shared = param.__dict__.get(_SHARED_HOOKS_ATTR)
+            entry = shared.entries.get(self._hook_id) if shared is not None else None
+            if entry is None:
+                return
+            entry[2].discard(self._owner)
+            if not entry[2]:
+                entry[1].remove()
+                del shared.entries[self._hook_id]
+
+
+class _ModulePassHook:
+    """Calls a TE-style ``hook()`` once per backward pass of a module: the k-th call once each of the
+    module's parameters has had its k-th gradient-ready event (so the hook sees every gradient of
+    the module complete, in whatever order tied parameters and micro-batches finish)."""
+
+    def __init__(self, hook: Callable, params: list[torch.Tensor]) -> None:
+        self._hook = hook
+        self._ready = {id(p): 0 for p in params}
+        self._calls = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, param: torch.Tensor) -> None:
+        with self._lock:
+            self._ready[id(param)] += 1
+            due = min(self._ready.values()) - self._calls
+            self._calls += due
+        for _ in range(due):
+            self._hook()
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:

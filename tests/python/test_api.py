@@ -214,7 +214,7 @@ def test_drop_in_for_transformer_engine():
     layer(x, is_first_microbatch=True).backward(gy)
     reference(x).backward(gy)
     layer.backward_dw()
-    assert reduced == [True, True]
+    assert reduced == [True]  # TE calls a no-argument hook once per backward_dw() of the layer
     assert_grads_match(layer, reference, exact=False)
 
 

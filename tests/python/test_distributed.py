@@ -714,6 +714,36 @@ CASES = {f"{name}[{mode}]": functools.partial(case, mode=mode)
          for name, case in _CASES.items() for mode in MODES}
 
 
+def case_torch_ddp(rank, world):
+    """torch's DDP all-reduces from AccumulateGrad's hook, in the backward, before backward_dw():
+    a delayed layer it reduces is refused at the forward (naming the layer, nothing queued), and
+    allowed inside no_sync(); regular splitgrad layers under DDP get DDP's averaged gradients, as
+    their plain-autograd twin under DDP does."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    delayed = nn.Sequential(splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, name="dl"), nn.Tanh())
+    ddp = DDP(delayed)
+    x = torch.randn(BATCH, D) + rank
+    with pytest.raises(RuntimeError, match="splitgrad layer 'dl'.*DistributedDataParallel.*GradReducer"):
+        ddp(x)
+    assert splitgrad.pending_wgrads() == 0
+    with ddp.no_sync():
+        ddp(x).sum().backward()
+    delayed[0].backward_dw()
+    assert delayed[0].weight.grad is not None
+
+    regular = nn.Sequential(splitgrad.Linear(D, D, device="cpu"), nn.Tanh(), splitgrad.Linear(D, D, device="cpu"))
+    reference = to_reference(regular)
+    ddp_regular, ddp_reference = DDP(regular), DDP(reference)
+    ddp_regular(x).pow(2).sum().backward()
+    ddp_reference(x).pow(2).sum().backward()
+    assert_grads_match(regular, reference, exact=False)
+
+
+CASES["torch_ddp"] = case_torch_ddp
+
+
 def _worker(rank, world, init_file, out_dir):
     run_cases(CASES, rank, world, init_file, out_dir, barrier=True)
 
@@ -737,6 +767,10 @@ def test_tied_delayed_layers_and_regular_layer(results, mode):
     weight's bucket is launched after the second tied layer's backward_dw, each parameter once per
     step; reduce_scatter leaves the local gradient in .grad."""
     check_case(results, f"tied_layers[{mode}]")
+
+
+def test_torch_ddp_refuses_delayed_layers_and_averages_regular_ones(results):
+    check_case(results, "torch_ddp")
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -190,6 +190,38 @@ def case_one_step(rank, world, tied_block=False, reshard_after_forward=True, ste
         ref_optimizer.zero_grad()
 
 
+def case_rank_dependent_w_order(rank, world):
+    """Each rank runs its backward_dw() calls in an order of its own (even ranks last layer first,
+    odd ranks first layer first): the held reduce-scatters still start in one order on every rank,
+    so each unit's shards sum that same unit of every rank (units of different sizes, as the tied
+    block's, would otherwise abort gloo; equal ones would be summed with another rank's unit)."""
+    model = LM(tied_block=True)
+    reference = to_reference(model)
+    shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(2):
+        data = rank_data(step, world)
+        ids, targets = data[rank][0]
+        tracker = LogTracker()
+        lm_loss(model, ids, targets).backward()
+        layers = delayed_layers(model)
+        for layer in (layers if rank % 2 else list(reversed(layers))):
+            tracker.do(f"W {layer.name}", layer.backward_dw)
+        launched = [unit for unit, _, _ in tracker.during]
+        everyone = [None] * world
+        dist.all_gather_object(everyone, launched)
+        assert all(order == launched for order in everyone), everyone
+        assert sorted(launched) == sorted(EXPECTED_UNITS | {"tied.a, tied.b"}), launched
+        reference_grads(reference, data)
+        assert_sharded_grads_match(model, reference, f"step {step}")
+        optimizer.step()
+        ref_optimizer.step()
+        assert_params_match(model, reference, f"after step {step}")
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+
+
 def case_micro_batches(rank, world):
     """Gradient accumulation in a zero-bubble order: F0 B0 (no sync) F1 B1 (sync) W0 W1. Nothing
     is reduced before the last W; then each unit once, with both micro-batches' gradients."""
@@ -458,6 +490,7 @@ CASES = {
     "tied_block": functools.partial(case_one_step, tied_block=True),
     "no_reshard_after_forward": functools.partial(case_one_step, reshard_after_forward=False, steps=1),
     "micro_batches": case_micro_batches,
+    "rank_dependent_w_order": case_rank_dependent_w_order,
     "mixed_precision": case_mixed_precision,
     "regular_unit": case_regular_unit,
     "torch_fully_shard_loses_deferred_grads": case_torch_fully_shard_loses_deferred_grads,
@@ -485,6 +518,10 @@ def test_sharded_gradients_and_parameters_match_plain_autograd(results, case):
     tied weights included; every unit reduce-scatters once per step, right after the W of its
     last delayed layer, the output layer's first (overlapping the W steps still to come)."""
     check_case(results, case)
+
+
+def test_rank_dependent_backward_dw_order_reduces_matching_units(results):
+    check_case(results, "rank_dependent_w_order")
 
 
 def test_gradient_accumulation_over_micro_batches_reduces_once(results):

@@ -232,20 +232,160 @@ def test_reduce_hooks_one_argument():
     assert sorted(map(id, calls)) == sorted([id(layer.weight), id(layer.bias)])
 
 
-def test_reduce_hooks_zero_argument_te_style():
-    """TE's hooks take no argument: hook() is called (once per parameter of the layer)."""
+@pytest.mark.parametrize("signature", ["no-argument", "star-args"])
+def test_reduce_hooks_zero_argument_te_style(signature):
+    """TE's hooks take no argument (Megatron's: ``*unused``): hook() is called as TE calls it, once
+    per backward pass of the layer, when every gradient of the layer for that pass is complete."""
     layer = linear(True)
+    reference = to_reference(layer)
     calls = []
 
-    def te_hook():
-        calls.append("reduce")
+    def te_hook(*unused):
+        assert unused == ()
+        calls.append({name: p.grad.clone() for name, p in layer.named_parameters()})
 
-    layer.register_wgrad_accumulation_and_reduce_hooks(te_hook)
-    (x,), (gy,) = make_data(1, (4, D), D)
-    for _ in range(2):
+    layer.register_wgrad_accumulation_and_reduce_hooks(te_hook if signature == "star-args" else lambda: te_hook())
+    xs, gys = make_data(2, (4, D), D)
+    for step, (x, gy) in enumerate(zip(xs, gys)):
         layer(x).backward(gy)
+        assert len(calls) == step, "not before the deferred gradients have landed"
         layer.backward_dw()
-    assert calls == ["reduce"] * 4
+        reference(x).backward(gy)
+        assert len(calls) == step + 1, "once per pass, not once per parameter"
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(calls[-1][name], p.grad, rtol=0, atol=0)
+    assert len(calls) == 2
+
+
+def test_te_style_hook_once_per_pass_of_a_module_with_tied_parameters_in_any_order():
+    """A no-argument hook of a module whose weight is tied to a later layer fires once per pass,
+    after that pass's last contribution to any of its parameters (micro-batches interleaved)."""
+    model = nn.Sequential(linear(True, name="a"), nn.Tanh(), linear(True, name="b"))
+    model[2].weight = model[0].weight
+    reference = to_reference(model)
+    seen = []
+    model[0].register_wgrad_accumulation_and_reduce_hooks(
+        lambda: seen.append((model[0].weight.grad.clone(), model[0].bias.grad.clone())))
+    xs, gys = make_data(2, (4, D), D)
+    run_schedule("F0 F1 B0 B1", model, xs, gys)
+    model[0].backward_dw()  # pass 0 of a: the tied weight still owes b's pass-0 work
+    model[0].backward_dw()
+    assert seen == []
+    model[2].backward_dw()  # pass 0 complete
+    assert len(seen) == 1
+    model[2].backward_dw()  # pass 1 complete
+    assert len(seen) == 2
+    run_schedule("F0 F1 B0 B1", reference, xs, gys)
+    torch.testing.assert_close(seen[-1][0], reference[0].weight.grad)
+    torch.testing.assert_close(seen[-1][1], reference[0].bias.grad, rtol=0, atol=0)
+
+
+def test_reduce_hook_registered_on_modules_sharing_a_parameter_runs_once_for_it():
+    """A reducer registered on every module (as a data-parallel wrapper does) must reduce a tied
+    weight once per pass, not once per module holding it."""
+    model = nn.Sequential(linear(True, name="a"), nn.Tanh(), linear(True, name="b"))
+    model[2].weight = model[0].weight
+    calls = []
+
+    def reduce(param):
+        calls.append(id(param))
+
+    for layer in (model[0], model[2]):
+        layer.register_wgrad_accumulation_and_reduce_hooks(reduce)
+    (x,), (gy,) = make_data(1, (4, D), D)
+    model(x).backward(gy)
+    splitgrad.backward_dw_all()
+    expected = [id(model[0].weight), id(model[0].bias), id(model[2].bias)]
+    assert sorted(calls) == sorted(expected)
+    # removing the share of one module keeps the other's: untie b, a's hooks still fire for a
+    model[2].weight = nn.Parameter(model[0].weight.detach().clone())
+    calls.clear()
+    model(x).backward(gy)
+    splitgrad.backward_dw_all()
+    assert sorted(calls) == sorted(expected[:2] + [id(model[2].weight), id(model[2].bias)])
+
+
+def test_delayed_modules_mark_their_gemm_parameters_skip_backward_post_hook():
+    """TE's mark, which Megatron's DDP reads to reduce from the module's hooks instead of
+    AccumulateGrad's: on the GEMM parameters of delayed modules (also ones tied in later), not on
+    regular modules' or the norms'."""
+    delayed, regular = linear(True), linear(False)
+    assert delayed.weight.skip_backward_post_hook is True and delayed.bias.skip_backward_post_hook is True
+    assert not hasattr(regular.weight, "skip_backward_post_hook")
+    regular_weight = nn.Parameter(torch.randn(D, D))
+    delayed.weight = regular_weight
+    assert regular_weight.skip_backward_post_hook is True
+    mlp = splitgrad.LayerNormMLP(D, 2 * D, device="cpu", delay_wgrad_compute=True)
+    assert [n for n, p in mlp.named_parameters() if getattr(p, "skip_backward_post_hook", False)] == [
+        "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    experts = splitgrad.GroupedLinear(3, D, D, device="cpu", delay_wgrad_compute=True)
+    assert all(p.skip_backward_post_hook for p in experts.parameters())
+
+
+class MegatronDDPHooks:
+    """Megatron-core DDP's gradient-hook wiring with delay_wgrad_compute (one rank): a parameter TE
+    marks ``skip_backward_post_hook`` gets ``hook(*unused)`` through
+    ``register_wgrad_accumulation_and_reduce_hooks`` of each module holding it, the others an
+    AccumulateGrad hook. The hook folds ``.grad`` into ``main_grad`` unless it is already there,
+    clears ``.grad`` and registers the parameter ready with its bucket, which starts the bucket's
+    all-reduce when all its parameters are (here: records what the all-reduce would send)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ready: set[int] = set()
+        self.sent: dict[int, torch.Tensor] = {}
+        self.accumulators = []
+        for p in self.params:
+            if getattr(p, "skip_backward_post_hook", False):
+                for module in model.modules():
+                    if hasattr(module, "register_wgrad_accumulation_and_reduce_hooks"):
+                        if any(q is p for q in module.parameters()):
+                            module.register_wgrad_accumulation_and_reduce_hooks(self._make_hook(p))
+            else:
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                accumulator.register_hook(self._make_hook(p))
+                self.accumulators.append(accumulator)
+
+    def _make_hook(self, param):
+        def hook(*unused):
+            if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad)
+            param.grad = None
+            assert id(param) not in self.ready, "Cannot set grad twice"
+            self.ready.add(id(param))
+            if len(self.ready) == len(self.params):  # the bucket's all-reduce starts
+                self.sent = {id(q): q.main_grad.clone() for q in self.params}
+        return hook
+
+    def finish_grad_sync(self) -> dict[int, torch.Tensor]:
+        assert len(self.ready) == len(self.params), "a parameter was never registered ready"
+        sent, self.ready, self.sent = self.sent, set(), {}
+        return sent
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "grad"])
+def test_megatron_ddp_hook_wiring_reduces_complete_gradients(fused):
+    model = nn.Sequential(
+        splitgrad.LayerNormMLP(D, 2 * D, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=fused),
+        splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=fused),
+        splitgrad.Linear(D, D, device="cpu"),
+    )
+    for p in model.parameters():
+        p.main_grad = torch.zeros(p.shape)
+        p.grad_added_to_main_grad = False
+    reference = to_reference(model)
+    megatron = MegatronDDPHooks(model)
+    xs, gys = make_data(2, (4, D), D)
+    for x, gy in zip(xs, gys):  # two steps, one micro-batch each
+        for p in model.parameters():
+            p.grad_added_to_main_grad = False
+        model(x).backward(gy)
+        model[1].backward_dw()
+        model[0].backward_dw()
+        sent = megatron.finish_grad_sync()
+        reference(x).backward(gy)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(sent[id(p)], q.grad, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_reduce_hooks_follow_retying():

@@ -502,9 +502,8 @@ def test_reduce_hooks_fire_once_per_pass_after_the_last_contribution(delay):
         a.backward_dw()
         params = {id(p): p for m in (a, b) for p in m.parameters()}
         counted = {k: sum(1 for c in calls if id(c) == k) for k in params}
-        # once per registration: a shared parameter has one from each module holding it
-        registered = {k: sum(1 for m in (a, b) for p in m.parameters() if id(p) == k) for k in params}
-        assert counted == registered
+        # once per parameter: the hook registered on both modules runs once for a shared one
+        assert counted == {k: 1 for k in params}
         for k, p in params.items():
             torch.testing.assert_close(finals[k], p.grad, rtol=0, atol=0)  # nothing landed after it
 

@@ -125,7 +125,8 @@ def test_inplace_modified_grad_output():
 
 
 # ------------------------------------------------------------------------------------------------
-# optimizer.zero_grad() / optimizer.step() / Module.zero_grad() / state_dict() with work pending
+# optimizer.zero_grad() / optimizer.step() / Module.zero_grad() / state_dict() / gradient clipping
+# with work pending
 # ------------------------------------------------------------------------------------------------
 
 ACTIONS = {
@@ -133,6 +134,10 @@ ACTIONS = {
     "optimizer.zero_grad": lambda model, opt: opt.zero_grad(),
     "module.zero_grad": lambda model, opt: model.zero_grad(),
     "state_dict": lambda model, opt: model.state_dict(),
+    # clipping partial gradients: limits far above the gradients, so a clip changes no value
+    "clip_grad_norm_": lambda model, opt: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9),
+    "clip_grad_value_": lambda model, opt: torch.nn.utils.clip_grad_value_(parameters=model.parameters(),
+                                                                           clip_value=1e9),
 }
 
 
@@ -200,6 +205,9 @@ def test_no_warning_without_pending_work_or_for_unrelated_params():
         opt.step()
         other.zero_grad()
         other.state_dict()
+        other(torch.randn(2, D)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+        torch.nn.utils.clip_grad_value_(other.weight, 1.0)
         model[2].state_dict()  # the regular layer has nothing pending
         backward_dw_each(model)
         model.zero_grad()
