@@ -24,7 +24,15 @@ from ._linear import (
 __all__ = ["GroupedLinear"]
 
 # te.GroupedLinear's keywords accepted at their defaults: te.Linear's, and these.
-_GROUPED_TE_DEFAULTS = {**_TE_DEFAULTS, "return_bias": False, "save_original_input": False}
+_GROUPED_TE_DEFAULTS = {
+    **_TE_DEFAULTS,
+    "save_original_input": False,
+    "single_grouped_weight": False,
+    "single_grouped_bias": False,
+    "use_grouped_tensor": None,
+}
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 _grouped_linear_op = torch.ops.splitgrad.grouped_linear.default
 
@@ -37,6 +45,11 @@ def _grouped_outside_graph(*args):
     return _grouped_linear_op(*args)
 
 
+def _is_array(value) -> bool:
+    """A numpy array (or another array type with a dtype), told without importing numpy."""
+    return hasattr(value, "__array__") and hasattr(value, "dtype") and hasattr(value, "tolist")
+
+
 class GroupedLinear(_DeferredWgradModule):
     """``num_gemms`` linear maps (MoE experts) over one tensor's rows: rows
     ``[offset_i, offset_i + m_splits[i])`` of the input go through expert ``i``,
@@ -46,6 +59,8 @@ class GroupedLinear(_DeferredWgradModule):
         num_gemms: number of experts.
         in_features, out_features: sizes of x's last dimension and of y's.
         bias: whether every expert has a bias.
+        return_bias: return ``(y without the biases, [bias0, ...])`` and leave adding each
+            expert's bias to its rows to the caller (te.GroupedLinear's; ``[None, ...]`` without bias).
         params_dtype, device, delay_wgrad_compute, fuse_wgrad_accumulation, init_method, name: as
             for :class:`splitgrad.Linear`, per expert (``init_method`` is called on each weight).
 
@@ -67,24 +82,28 @@ class GroupedLinear(_DeferredWgradModule):
         delay_wgrad_compute: bool = False,
         fuse_wgrad_accumulation: bool = False,
         init_method: Callable[[torch.Tensor], object] | None = None,
+        return_bias: bool = False,
         name: str | None = None,
         **te_keywords,
     ) -> None:
         super().__init__()
         _refuse_unsupported("GroupedLinear", te_keywords, _GROUPED_TE_DEFAULTS)
-        _check_sizes("GroupedLinear", num_gemms=num_gemms, in_features=in_features, out_features=out_features)
+        num_gemms, in_features, out_features = _check_sizes(
+            "GroupedLinear", num_gemms=num_gemms, in_features=in_features, out_features=out_features)
         _check_params_dtype("GroupedLinear", params_dtype)
         self.num_gemms = num_gemms
         self.in_features = in_features
         self.out_features = out_features
         self.use_bias = bool(bias)
+        self.return_bias = bool(return_bias)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         factory = _factory(device, params_dtype)
         for i in range(num_gemms):
             self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
-        for i in range(num_gemms if bias else 0):
-            self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)))
+        for i in range(num_gemms):
+            # without bias, bias{i} is None (nn.Linear's way): getattr works, no parameter is listed
+            self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)) if bias else None)
         self._register(name)
         self.reset_parameters(init_method)
 
@@ -117,16 +136,24 @@ class GroupedLinear(_DeferredWgradModule):
                 nn.init.uniform_(bias, -bound, bound)
 
     def _splits_tensor(self, m_splits) -> torch.Tensor:
-        """m_splits as the op takes it: an int64 tensor. A list becomes a CPU tensor; a tensor stays
-        on its device (another integer dtype is converted there, without a host synchronisation).
-        Counts, signs, sums and devices are checked by the op, which names this layer."""
+        """m_splits as the op takes it: an int64 tensor. A list of ints or an integer numpy array
+        becomes a CPU tensor; a tensor stays on its device (another integer dtype is converted
+        there, without a host synchronisation), and so does a list of 0-d integer tensors (stacked
+        where they are, not read). Counts, signs, sums and devices are checked by the op, which
+        names this layer."""
         who = f"splitgrad layer '{self.name}'"
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dtype == torch.bool or m_splits.is_floating_point() or m_splits.is_complex():
                 raise DTypeError(f"{who}: expected m_splits of an integer dtype (row counts), got {m_splits.dtype}")
             return m_splits if m_splits.dtype == torch.int64 else m_splits.to(torch.int64)
+        if _is_array(m_splits):  # numpy's (np.bincount's counts): host values, read as ints below
+            if getattr(m_splits.dtype, "kind", None) not in ("i", "u"):
+                raise DTypeError(f"{who}: expected m_splits of an integer dtype (row counts), got {m_splits.dtype}")
+            m_splits = m_splits.tolist()
         if not isinstance(m_splits, Sequence) or isinstance(m_splits, (str, bytes)):
             raise TypeError(f"{who}: expected m_splits as a list of ints or an integer tensor, got {type(m_splits).__name__}")
+        if m_splits and all(isinstance(s, torch.Tensor) for s in m_splits):
+            return self._stack_splits(m_splits, who)
         counts = []
         for i, s in enumerate(m_splits):
             try:  # ints, and integers that say they are (numpy's): not floats, not bools
@@ -134,13 +161,31 @@ class GroupedLinear(_DeferredWgradModule):
                     raise TypeError
                 counts.append(operator.index(s))
             except TypeError:
-                raise DTypeError(f"{who}: expected m_splits of ints (row counts), got m_splits[{i}] = {s!r}") from None
-        return torch.tensor(counts, dtype=torch.int64)
+                hint = " (a list of tensors must hold only 0-d integer tensors)" if isinstance(s, torch.Tensor) else ""
+                raise DTypeError(f"{who}: expected m_splits of ints (row counts), got m_splits[{i}] = {s!r}{hint}") from None
+            if not _INT64_MIN <= counts[-1] <= _INT64_MAX:
+                raise ArgumentError(f"{who}: expected m_splits of row counts that fit in int64, got m_splits[{i}] = {s!r}")
+        return torch.tensor(counts, dtype=torch.int64, device="cpu")
 
-    def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    @staticmethod
+    def _stack_splits(m_splits, who: str) -> torch.Tensor:
+        """A list of 0-d integer tensors (``list(counts)``, ``counts.unbind()``) as one int64 tensor on
+        their device, without reading them on the host."""
+        for i, s in enumerate(m_splits):
+            if s.dim() != 0 or s.dtype == torch.bool or s.is_floating_point() or s.is_complex():
+                raise DTypeError(f"{who}: expected m_splits as 0-d integer tensors (row counts), got m_splits[{i}] "
+                                 f"of shape {list(s.shape)} and dtype {s.dtype}")
+        devices = {s.device for s in m_splits}
+        if len(devices) > 1:
+            raise ArgumentError(f"{who}: expected m_splits tensors on one device, got {sorted(map(str, devices))}")
+        return torch.stack([s.to(torch.int64) for s in m_splits])
+
+    def forward(self, inp: torch.Tensor, m_splits, is_first_microbatch: bool | None = None):
         """y = per-expert ``x_i·W_iᵀ + b_i`` for ``inp`` of shape [*, in_features] (flattened to
-        [tokens, in_features]); ``m_splits``: rows per expert, a list of ints or an integer tensor
-        (CPU, or the input's device: passed on without a host synchronisation).
+        [tokens, in_features]); ``m_splits``: rows per expert, a list of ints, an integer numpy array
+        or an integer tensor (CPU, or the input's device: passed on without a host synchronisation),
+        or a list of 0-d integer tensors. With return_bias, ``(y without the biases, [bias0, ...])``
+        as te.GroupedLinear returns them.
 
         ``is_first_microbatch`` is accepted for te.GroupedLinear compatibility; it does not change the
         gradients (they accumulate over micro-batches either way).
@@ -148,6 +193,13 @@ class GroupedLinear(_DeferredWgradModule):
         self._check_forward_args(inp, is_first_microbatch)
         splits = self._splits_tensor(m_splits)
         weights, biases = self.weights, self.biases
+        # return_bias (te.GroupedLinear): the caller adds the biases, so autograd owns their gradients.
+        out = self._grouped(inp, splits, weights, [] if self.return_bias else biases)
+        if self.return_bias:
+            return out, biases if self.use_bias else [None] * self.num_gemms
+        return out
+
+    def _grouped(self, inp, splits, weights, biases) -> torch.Tensor:
         path = self._linear_path(inp)
         if path == "functional":
             return self._functional(inp, splits, weights, biases)
@@ -186,6 +238,6 @@ class GroupedLinear(_DeferredWgradModule):
     def extra_repr(self) -> str:
         return (
             f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.use_bias}, delay_wgrad_compute={self.delay_wgrad_compute}, "
+            f"bias={self.use_bias}, return_bias={self.return_bias}, delay_wgrad_compute={self.delay_wgrad_compute}, "
             f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, name={self.name!r}"
         )

@@ -171,7 +171,8 @@ class LayerNormLinear(_NormedModule):
     ) -> None:
         super().__init__()
         _refuse_unsupported("LayerNormLinear", te_keywords, _TE_LAYERNORM_LINEAR_DEFAULTS)
-        _check_sizes("LayerNormLinear", in_features=in_features, out_features=out_features)
+        in_features, out_features = _check_sizes("LayerNormLinear", in_features=in_features,
+                                                 out_features=out_features)
         _check_params_dtype("LayerNormLinear", params_dtype)
         self.in_features = in_features
         self.out_features = out_features
@@ -202,11 +203,12 @@ class LayerNormLinear(_NormedModule):
         as te.LayerNormLinear returns them. ``is_first_microbatch`` does not change the gradients."""
         self._check_forward_args(inp, is_first_microbatch)
         path = self._linear_path(inp)
-        bias = None if self.return_bias else self.bias
-        ln_out = self._norm(inp, path, self.weight)
+        # Each parameter read once per forward, as nn.Linear does (a parametrization runs once).
+        weight, bias = self.weight, self.bias
+        ln_out = self._norm(inp, path, weight)
         with _typed_errors():
-            out = self._apply_linear(path, ln_out, self.weight, bias)
-        return _outputs(out, self.bias if self.return_bias else None, self.return_bias,
+            out = self._apply_linear(path, ln_out, weight, None if self.return_bias else bias)
+        return _outputs(out, bias if self.return_bias else None, self.return_bias,
                         ln_out if self.return_layernorm_output else None)
 
     def extra_repr(self) -> str:
@@ -258,7 +260,8 @@ class LayerNormMLP(_NormedModule):
     ) -> None:
         super().__init__()
         _refuse_unsupported("LayerNormMLP", te_keywords, _TE_LAYERNORM_MLP_DEFAULTS)
-        _check_sizes("LayerNormMLP", hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size)
+        hidden_size, ffn_hidden_size = _check_sizes("LayerNormMLP", hidden_size=hidden_size,
+                                                    ffn_hidden_size=ffn_hidden_size)
         _check_params_dtype("LayerNormMLP", params_dtype)
         if activation not in _ACTIVATIONS:
             raise ArgumentError(
@@ -298,11 +301,13 @@ class LayerNormMLP(_NormedModule):
         ln_out])`` as te.LayerNormMLP returns them."""
         self._check_forward_args(inp, is_first_microbatch)
         path = self._linear_path(inp)
-        ln_out = self._norm(inp, path, self.fc1_weight, "fc1")
+        # Each parameter read once per forward, as nn.Linear does (a parametrization runs once).
+        fc1_weight, fc1_bias, fc2_weight, fc2_bias_param = (self.fc1_weight, self.fc1_bias, self.fc2_weight,
+                                                            self.fc2_bias)
+        ln_out = self._norm(inp, path, fc1_weight, "fc1")
         with _typed_errors():
-            fc1_out = self._apply_linear(path, ln_out, self.fc1_weight, self.fc1_bias, ("fc1_weight", "fc1_bias"),
-                                         gemm="fc1")
-            fc2_bias = None if self.return_bias else self.fc2_bias
+            fc1_out = self._apply_linear(path, ln_out, fc1_weight, fc1_bias, ("fc1_weight", "fc1_bias"), gemm="fc1")
+            fc2_bias = None if self.return_bias else fc2_bias_param
             if path == "functional":  # torch.func differentiates the ATen composite (no C++ autograd there)
                 act, gated = _ACTIVATIONS[self.activation]
                 if gated:
@@ -310,15 +315,15 @@ class LayerNormMLP(_NormedModule):
                     hidden = act(gate) * value
                 else:
                     hidden = act(fc1_out)
-                out = self._apply_linear(path, hidden, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
+                out = self._apply_linear(path, hidden, fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
                                          gemm="fc2")
             else:
                 # The activation inside fc2's op: its deferred wgrad keeps fc1's output (which the
                 # backward holds anyway until the activation's backward) and recomputes the
                 # activation in backward_dw(), instead of holding fc2's input until then.
-                out = self._apply_linear(path, fc1_out, self.fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
+                out = self._apply_linear(path, fc1_out, fc2_weight, fc2_bias, ("fc2_weight", "fc2_bias"),
                                          gemm="fc2", activation=self.activation)
-        return _outputs(out, self.fc2_bias if self.return_bias else None, self.return_bias,
+        return _outputs(out, fc2_bias_param if self.return_bias else None, self.return_bias,
                         ln_out if self.return_layernorm_output else None)
 
     def extra_repr(self) -> str:

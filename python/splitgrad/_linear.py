@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import operator
 import threading
 import warnings
 import weakref
@@ -35,10 +36,35 @@ _TE_DEFAULTS = {
     "ub_overlap_ag": False,
     "ub_name": None,
 }
+# te.Linear's (TE 2.x) on top of those.
+_TE_LINEAR_DEFAULTS = {
+    **_TE_DEFAULTS,
+    "parameters_split": None,
+    "ub_overlap_rs_dgrad": False,
+    "ub_bulk_dgrad": False,
+    "ub_bulk_wgrad": False,
+    "symmetric_ar_type": None,
+    "save_original_input": False,
+}
 
 
 def _default_device() -> torch.device:
+    """device=None: the device of a ``with torch.device(...)`` block or ``torch.set_default_device``
+    where one is set (as nn.Linear honours them: meta-device init), else CUDA when available, else
+    the CPU."""
+    if _device_context_set():
+        return torch.get_default_device()
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _device_context_set() -> bool:
+    # How torch.get_default_device finds one (it reports "cpu" for none as for an explicit CPU).
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    if any(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack()):
+        return True
+    return getattr(getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None), "device_context", None) is not None
 
 
 _linear_op = torch.ops.splitgrad.linear.default
@@ -106,10 +132,19 @@ def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
         )
 
 
-def _check_sizes(module: str, **sizes) -> None:
+def _check_sizes(module: str, **sizes) -> tuple[int, ...]:
+    """The sizes as Python ints: ints, and integers that say they are (numpy's), not bools."""
+    checked = []
     for arg, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        try:
+            if isinstance(value, bool) or getattr(value, "dtype", None) == bool:
+                raise TypeError
+            checked.append(operator.index(value))
+        except TypeError:
+            checked.append(0)
+        if checked[-1] <= 0:
             raise ArgumentError(f"splitgrad.{module}: expected a positive int {arg}, got {value!r}")
+    return tuple(checked)
 
 
 def _check_params_dtype(module: str, params_dtype) -> None:
@@ -179,6 +214,11 @@ class _DeferredWgradModule(nn.Module):
     @name.setter
     def name(self, value: str) -> None:
         self._layer.name = str(value)
+
+    def need_backward_dw(self) -> bool:
+        """TE's name: whether this module defers its weight gradients to :meth:`backward_dw`
+        (built with delay_wgrad_compute=True)."""
+        return self.delay_wgrad_compute
 
     def _check_forward_args(self, inp, is_first_microbatch) -> None:
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
@@ -405,7 +445,8 @@ class Linear(_DeferredWgradModule):
         in_features, out_features: sizes of x's last dimension and of y's.
         bias: whether the layer has a bias.
         params_dtype: parameter dtype (default: torch's default dtype).
-        device: parameter device (default: CUDA when available, else the CPU).
+        device: parameter device (default: that of a ``with torch.device(...)`` block or
+            ``torch.set_default_device`` where one is set, else CUDA when available, else the CPU).
         delay_wgrad_compute: queue the weight/bias gradient in backward; compute it in backward_dw().
         fuse_wgrad_accumulation: add the weight gradient in fp32 into ``weight.main_grad`` (set by
             the caller, as Megatron does) instead of ``weight.grad``, and the bias gradient into
@@ -435,8 +476,8 @@ class Linear(_DeferredWgradModule):
         **te_keywords,
     ) -> None:
         super().__init__()
-        _refuse_unsupported("Linear", te_keywords, _TE_DEFAULTS)
-        _check_sizes("Linear", in_features=in_features, out_features=out_features)
+        _refuse_unsupported("Linear", te_keywords, _TE_LINEAR_DEFAULTS)
+        in_features, out_features = _check_sizes("Linear", in_features=in_features, out_features=out_features)
         _check_params_dtype("Linear", params_dtype)
         self.in_features = in_features
         self.out_features = out_features

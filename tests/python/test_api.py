@@ -62,11 +62,28 @@ def test_unknown_keyword_is_a_type_error():
         splitgrad.Linear(8, 4, not_a_keyword=1)
 
 
+# te.Linear's (TE 2.x) keywords for features splitgrad does not have, at their defaults.
+TE_LINEAR_OFF = dict(sequence_parallel=False, tp_group=None, tp_size=1, get_rng_state_tracker=None,
+                     rng_tracker_name=None, parallel_mode=None, parameters_split=None, ub_overlap_ag=False,
+                     ub_overlap_rs=False, ub_overlap_rs_dgrad=False, ub_bulk_dgrad=False, ub_bulk_wgrad=False,
+                     ub_name=None, symmetric_ar_type=None, save_original_input=False)
+
+
 def test_te_keywords_at_their_defaults_are_accepted():
     """TE code that spells out its off-by-default features runs unchanged."""
-    layer = splitgrad.Linear(8, 4, device="cpu", sequence_parallel=False, tp_group=None, tp_size=1,
-                             parallel_mode=None, ub_overlap_ag=False)
+    layer = splitgrad.Linear(8, 4, device="cpu", **TE_LINEAR_OFF)
     assert layer(torch.randn(2, 8)).shape == (2, 4)
+    for keyword, default in TE_LINEAR_OFF.items():
+        splitgrad.Linear(8, 4, device="cpu", **{keyword: default})
+
+
+@pytest.mark.parametrize("keyword,value", [("parameters_split", ("q", "k")), ("ub_overlap_rs_dgrad", True),
+                                           ("ub_bulk_dgrad", True), ("ub_bulk_wgrad", True),
+                                           ("symmetric_ar_type", "multimem_all_reduce"),
+                                           ("save_original_input", True)])
+def test_te_keywords_off_their_defaults_are_refused_by_name(keyword, value):
+    with pytest.raises(TypeError, match=rf"splitgrad.Linear .*\['{keyword}'\]"):
+        splitgrad.Linear(8, 4, device="cpu", **{keyword: value})
 
 
 @pytest.mark.parametrize("delay", [False, True])
@@ -500,3 +517,73 @@ def test_fused_module_forward_without_grad_needs_no_main_grad(kind):
         x = args[0]
         torch.testing.assert_close(outputs[0], torch.cat([F.linear(x[:2], module.weight0, module.bias0),
                                                           F.linear(x[2:], module.weight1, module.bias1)]).detach())
+
+
+def _build(kind: str, **kw) -> nn.Module:
+    if kind == "GroupedLinear":
+        return splitgrad.GroupedLinear(3, 8, 6, **kw)
+    return getattr(splitgrad, kind)(8, 6, **kw)
+
+
+def _train_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """One SGD step (forward, backward, backward_dw for a delayed module, step); returns x.grad."""
+    x = x.clone().requires_grad_(True)
+    out = module(x, [1, 2, 2]) if isinstance(module, splitgrad.GroupedLinear) else module(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    module.backward_dw()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.1 * p.grad
+    return x.grad
+
+
+MODULES = ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"]
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("kind", MODULES)
+def test_meta_device_context_then_to_empty_trains_like_an_eager_module(kind, delay):
+    """``with torch.device("meta")`` (large-model init, as nn.Linear honours it): device=None takes
+    the context's device, nothing is allocated; ``to_empty`` + ``reset_parameters`` then give the
+    module an eager-built one gets (same seed), and it trains identically (bit for bit)."""
+    with torch.device("meta"):
+        lazy = _build(kind, delay_wgrad_compute=delay)
+        plain = nn.Linear(8, 6)
+    assert plain.weight.is_meta
+    assert all(p.is_meta for p in lazy.parameters())
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(0)
+    lazy.reset_parameters()
+    torch.manual_seed(0)
+    eager = _build(kind, delay_wgrad_compute=delay, device="cpu")
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        assert p.device.type == "cpu"
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+    for _ in range(2):
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(_train_step(lazy, x), _train_step(eager, x), rtol=0, atol=0)
+    for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_device_none_honours_a_default_device_and_an_explicit_device_wins(kind):
+    torch.set_default_device("meta")
+    try:
+        assert all(p.is_meta for p in _build(kind).parameters())
+        assert all(p.device.type == "cpu" for p in _build(kind, device="cpu").parameters())
+    finally:
+        torch.set_default_device(None)
+    with torch.device("cpu"):  # a CPU context is honoured too, as by nn.Linear (also with CUDA present)
+        assert all(p.device.type == "cpu" for p in _build(kind).parameters())
+    # No context, no default device: CUDA when available, else the CPU (SPEC §2)
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert all(p.device.type == expected for p in _build(kind).parameters())
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_need_backward_dw_as_te(kind):
+    """TE's name: True for a module whose weight gradients wait for backward_dw()."""
+    assert _build(kind, device="cpu", delay_wgrad_compute=True).need_backward_dw() is True
+    assert _build(kind, device="cpu").need_backward_dw() is False

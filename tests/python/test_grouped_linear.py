@@ -465,6 +465,67 @@ def test_numpy_integer_splits_are_taken():
         layer(x, [True, 2, 0, 0, 3])
 
 
+def test_numpy_integer_arrays_are_taken():
+    """np.bincount's counts (int64), and other integer numpy dtypes; a non-integer array is refused."""
+    np = pytest.importorskip("numpy")
+    layer = _layer(name="moe.experts")
+    reference = to_reference(layer)
+    x, gy = _data([1, 2, 0, 0, 3])
+    routed = np.array([0, 1, 1, 4, 4, 4])
+    for m_splits in (np.bincount(routed, minlength=5), np.array([1, 2, 0, 0, 3], dtype=np.int32),
+                     np.array([1, 2, 0, 0, 3], dtype=np.uint8)):
+        layer(x, m_splits).backward(gy)
+        reference(x, [1, 2, 0, 0, 3]).backward(gy)
+        _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    with pytest.raises(splitgrad.DTypeError, match="moe.experts.*integer dtype.*float64"):
+        layer(x, np.array([1.0, 2, 0, 0, 3]))
+
+
+def test_a_list_of_0d_tensors_is_stacked_where_it_is():
+    """A list of 0-d integer tensors (``list(counts)``, ``counts.unbind()``) is stacked on its device,
+    not read on the host (meta tensors cannot be read: the stacked splits stay meta)."""
+    layer = _layer(name="moe.experts")
+    reference = to_reference(layer)
+    x, gy = _data([1, 2, 0, 0, 3])
+    counts = torch.tensor([1, 2, 0, 0, 3], dtype=torch.int32)
+    layer(x, list(counts)).backward(gy)
+    reference(x, [1, 2, 0, 0, 3]).backward(gy)
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    meta = layer._splits_tensor(list(torch.tensor([1, 2, 0, 0, 3], device="meta").unbind()))
+    assert meta.is_meta and meta.shape == (5,) and meta.dtype == torch.int64
+    with pytest.raises(splitgrad.DTypeError, match=r"moe.experts.*0-d integer tensors.*m_splits\[1\]"):
+        layer(x, [torch.tensor(1), torch.tensor([2]), torch.tensor(0), torch.tensor(0), torch.tensor(3)])
+    with pytest.raises(splitgrad.DTypeError, match=r"moe.experts.*m_splits\[1\]"):
+        layer(x, [1, torch.tensor(2), 0, 0, 3])  # a mix of ints and tensors
+    with pytest.raises(splitgrad.ArgumentError, match="moe.experts.*one device"):
+        layer(x, [torch.tensor(1), torch.tensor(2, device="meta"), torch.tensor(0), torch.tensor(0),
+                  torch.tensor(3)])
+    assert splitgrad.pending_wgrads() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_a_list_of_0d_cuda_tensors_stays_on_the_device_without_a_sync():
+    layer = _layer("cuda")
+    counts = torch.tensor([1, 2, 0, 0, 3], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        splits = layer._splits_tensor(list(counts.unbind()))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert splits.device.type == "cuda" and splits.tolist() == [1, 2, 0, 0, 3]
+
+
+def test_a_split_too_large_for_int64_is_a_clear_error():
+    np = pytest.importorskip("numpy")
+    layer = _layer(n=3, name="moe.experts")
+    x = torch.randn(6, IN)
+    for m_splits in ([2**70, 2, 2], [2, -(2**63) - 1, 2], np.array([2**63, 2, 2], dtype=np.uint64)):
+        with pytest.raises(splitgrad.ArgumentError, match=r"moe.experts.*fit in int64, got m_splits\[\d\]"):
+            layer(x, m_splits)
+    assert splitgrad.pending_wgrads() == 0
+
+
 def test_int32_device_splits_are_taken():
     layer = _layer()
     reference = to_reference(layer)
@@ -497,11 +558,80 @@ def test_constructor_errors():
         splitgrad.GroupedLinear(2, IN, OUT, device="cpu", params_dtype=torch.int32)
     with pytest.raises(TypeError, match="tp_size"):
         splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=2)
-    with pytest.raises(TypeError, match="return_bias"):
-        splitgrad.GroupedLinear(2, IN, OUT, device="cpu", return_bias=True)
-    layer = splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=1, sequence_parallel=False,
-                                    return_bias=False, save_original_input=False)
+    for keyword, value in [("save_original_input", True), ("single_grouped_weight", True),
+                           ("single_grouped_bias", True), ("use_grouped_tensor", True)]:
+        with pytest.raises(TypeError, match=rf"splitgrad.GroupedLinear .*\['{keyword}'\]"):
+            splitgrad.GroupedLinear(2, IN, OUT, device="cpu", **{keyword: value})
+    # te.GroupedLinear's (TE 2.x) keywords for features splitgrad does not have, at their defaults
+    layer = splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=1, sequence_parallel=False, tp_group=None,
+                                    parallel_mode=None, get_rng_state_tracker=None, rng_tracker_name=None,
+                                    ub_overlap_rs=False, ub_overlap_ag=False, ub_name=None, return_bias=False,
+                                    save_original_input=False, single_grouped_weight=False,
+                                    single_grouped_bias=False, use_grouped_tensor=None)
     assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1", "bias0", "bias1"]
+
+
+def test_sizes_may_be_numpy_integers():
+    np = pytest.importorskip("numpy")
+    layer = splitgrad.GroupedLinear(np.int64(3), np.int32(IN), OUT, device="cpu")
+    assert type(layer.num_gemms) is int and layer.num_gemms == 3 and type(layer.in_features) is int
+    assert len(layer.weights) == 3
+    layer(torch.randn(4, IN), [1, 0, 3]).sum().backward()
+    for bad in (np.float64(3.0), np.bool_(True), True):
+        with pytest.raises(splitgrad.ArgumentError, match="positive int num_gemms"):
+            splitgrad.GroupedLinear(bad, IN, OUT, device="cpu")
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_return_bias_leaves_the_biases_to_the_caller(delay):
+    """te.GroupedLinear's return_bias=True: forward returns (x_i·W_iᵀ, [b_0, ...]); the caller adds
+    each expert's bias to its rows, and autograd (not the deferred work) owns the bias gradients.
+    Against per-expert nn.Linear without bias, the same bias add done by the caller."""
+    splits = [3, 0, 4, 1, 2]
+    layer = _layer(return_bias=True, delay_wgrad_compute=delay)
+    experts = [nn.Linear(IN, OUT, bias=False) for _ in splits]
+    ref_biases = [nn.Parameter(b.detach().clone()) for b in layer.biases]
+    with torch.no_grad():
+        for expert, weight in zip(experts, layer.weights):
+            expert.weight.copy_(weight)
+    x, gy = _data(splits)
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+
+    def add_biases(out, biases):
+        return out + torch.stack(list(biases)).repeat_interleave(torch.tensor(splits), dim=0)
+
+    out, biases = layer(xs, splits)
+    assert len(biases) == 5 and all(b is p for b, p in zip(biases, layer.biases))
+    ref_out = torch.cat([expert(rows) for expert, rows in zip(experts, xr.split(splits))])
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    add_biases(out, biases).backward(gy)
+    add_biases(ref_out, ref_biases).backward(gy)
+    assert all(b.grad is not None for b in layer.biases)  # at once, by autograd: nothing deferred for them
+    if delay:
+        assert all(w.grad is None for w in layer.weights)
+        layer.backward_dw()
+    torch.testing.assert_close(xs.grad, xr.grad, rtol=0, atol=0)
+    for i, (weight, expert) in enumerate(zip(layer.weights, experts)):
+        torch.testing.assert_close(weight.grad, expert.weight.grad, rtol=0, atol=0, msg=f"weight{i}")
+    for i, (bias, ref) in enumerate(zip(layer.biases, ref_biases)):
+        torch.testing.assert_close(bias.grad, ref.grad, rtol=0, atol=0, msg=f"bias{i}")
+    out, biases = _layer(return_bias=True, bias=False)(x, splits)
+    assert biases == [None] * 5 and out.shape == (sum(splits), OUT)
+
+
+def test_without_bias_each_bias_is_none():
+    """nn.Linear's way: bias{i} reads as None (TE code does getattr(layer, f"bias{i}")); no parameter,
+    no state_dict entry."""
+    layer = _layer(n=3, bias=False)
+    assert all(getattr(layer, f"bias{i}") is None for i in range(3))
+    assert layer.biases == [] and not layer.use_bias
+    assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1", "weight2"]
+    assert list(layer.state_dict()) == ["weight0", "weight1", "weight2"]
+    reference = to_reference(layer)
+    x, gy = _data([2, 0, 3])
+    layer(x, [2, 0, 3]).backward(gy)
+    reference(x, [2, 0, 3]).backward(gy)
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
 def test_backward_dw_with_nothing_pending():

@@ -14,6 +14,7 @@ import re
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 import splitgrad
 from sg_helpers import (DEVICES, NO_CUDA, assert_grads_match, backward_dw_each, named_gradients, ref_activation,
@@ -188,6 +189,66 @@ def test_gated_activation_gates_the_first_half_and_gelu_is_tanh():
         h = nn.functional.linear(nn.functional.layer_norm(x, (H,)), gelu.fc1_weight)
         torch.testing.assert_close(gelu(x), nn.functional.gelu(h, approximate="tanh")[:, :H], rtol=0, atol=0)
         assert not torch.equal(gelu(x), nn.functional.gelu(h)[:, :H])
+
+
+class _CountCalls(nn.Module):
+    """A parametrization that counts its evaluations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return weight * 1.0
+
+
+def _parametrized_calls(module: nn.Module, name: str, forward) -> int:
+    counter = _CountCalls()
+    parametrize.register_parametrization(module, name, counter)
+    counter.calls = 0  # registering evaluates it once
+    forward(module)
+    return counter.calls
+
+
+@pytest.mark.parametrize("return_bias", [False, True])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("kind,name", [("linear", "weight"), ("linear", "bias"), ("mlp", "fc1_weight"),
+                                       ("mlp", "fc1_bias"), ("mlp", "fc2_weight"), ("mlp", "fc2_bias")])
+def test_a_parametrized_parameter_is_evaluated_once_per_forward(kind, name, delay, return_bias):
+    """As nn.Linear reads its weight once per forward (a parametrization's power iteration or
+    sampling runs once); the norm's input checks must not read the GEMM's weight a second time."""
+    x = torch.randn(3, H)
+    expected = _parametrized_calls(nn.Linear(H, OUT), "weight", lambda m: m(x))
+    assert expected == 1
+    model = make(kind, delay_wgrad_compute=delay, return_bias=return_bias)
+    assert _parametrized_calls(model, name, lambda m: loss_of(m(x)).backward()) == expected
+    splitgrad.backward_dw_all()
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("kind,name", [("linear", "weight"), ("mlp", "fc1_weight"), ("mlp", "fc2_weight")])
+def test_spectral_norm_matches_plain_pytorch(kind, name, delay):
+    """spectral_norm's power iteration advances u once per training forward: after three steps u,
+    the outputs and every gradient (parametrizations.<name>.original's included) equal the
+    plain-PyTorch twin's (F.layer_norm / F.linear, the same parametrization) bit for bit."""
+    model = make(kind, delay_wgrad_compute=delay)
+    randomize(model)
+    reference = to_reference(model)
+    for module in (model, reference):
+        torch.manual_seed(5)
+        nn.utils.parametrizations.spectral_norm(module, name)
+    for step in range(3):
+        x = torch.randn(2, 3, H)
+        out, dx = exact_step(model, x, delay=delay)
+        ref_out, ref_dx = exact_step(reference, x, delay=False)
+        torch.testing.assert_close(out, ref_out, rtol=0, atol=0, msg=lambda m: f"step {step} output: {m}")
+        torch.testing.assert_close(dx, ref_dx, rtol=0, atol=0, msg=lambda m: f"step {step} input grad: {m}")
+    for buffer in ("_u", "_v"):
+        torch.testing.assert_close(getattr(model.parametrizations[name][0], buffer),
+                                   getattr(reference.parametrizations[name][0], buffer), rtol=0, atol=0)
+    assert f"parametrizations.{name}.original" in named_gradients(model)
+    assert_same(model, reference)
 
 
 # 2. Parameters, keywords, return values ---------------------------------------------------------
