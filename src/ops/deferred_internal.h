@@ -71,7 +71,8 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
 
 /// The grouped form (GroupedLinear): rows [offset_i, offset_i + m_splits[i]) of grad_output and
 /// input feed sinks[i], with accumulate_wgrad's arithmetic per group. Sinks may share a parameter
-/// (tied experts): its contributions are added in group order.
+/// (tied experts): its .grad gets their sum in reverse group order, as per-expert autograd adds
+/// them (a main_grad accumulates them in group order).
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                               const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
 
