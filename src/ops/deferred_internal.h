@@ -94,11 +94,12 @@ bool is_traced(const at::Tensor& t);
 /// forward, dropped with a warning. `module` ("splitgrad.Linear") is named in the refusal to queue
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
-/// GEMM.
+/// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
-                         const std::string& input_activation = std::string());
+                         const std::string& input_activation = std::string(),
+                         const std::string& gemm = std::string());
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);

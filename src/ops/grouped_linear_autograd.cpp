@@ -145,9 +145,9 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
     const auto weight_main_grads = ctx->saved_data["weight_main_grads"].toOptionalTensorList();
     const auto bias_main_grads = ctx->saved_data["bias_main_grads"].toOptionalTensorList();
-    const bool delay = ctx->saved_data["delay"].toBool();
     const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
+    const bool delay = ctx->saved_data["delay"].toBool();
     const size_t groups = weights.size();
     const bool has_bias = !biases.empty();
     // One gradient per flattened forward argument: input, m_splits, each weight, each bias, then
