@@ -438,6 +438,10 @@ bool is_traced(const at::Tensor& t) {
          t.key_set().has(c10::DispatchKey::Python);
 }
 
+bool defers_wgrad(bool delay, core::LayerId layer) {
+  return delay && WgradStore::instance().is_registered(layer);
+}
+
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
@@ -445,6 +449,14 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   const bool grouped = m_splits.defined();
   TORCH_INTERNAL_ASSERT(input_activation.empty() || (delay && !grouped),
                         "an input activation is recomputed by deferred linear work only");
+  if (delay && !WgradStore::instance().is_registered(layer)) {
+    // Deleted since the backward's defers_wgrad() (by another thread): nothing could run the
+    // item, so the gradients are added at once, as for a layer deleted before its backward.
+    const at::Tensor gemm_input =
+        input_activation.empty() ? input : ops::activation(input, input_activation);
+    accumulate_or_defer(layer, false, grad_output, gemm_input, m_splits, sinks, module);
+    return;
+  }
   DeferredWgrad item;
   item.layer = layer;
   if (grouped) {
@@ -469,18 +481,6 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     } else {
       accumulate_wgrad(grad_output, input, sinks[0]);
     }
-    return;
-  }
-  if (!WgradStore::instance().is_registered(layer)) {
-    // The layer was deleted between its forward and this backward. As for work pending when a
-    // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
-    // skip this pass), but the rest of the backward pass goes on.
-    TORCH_WARN(layer_label(layer),
-               " was deleted before its backward pass: its deferred weight "
-               "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
-    const std::vector<at::Tensor> targets = item.targets();
-    ledger.expect_deferred(targets, pass.id());
-    ledger.deferred_dropped(targets, pass.id());
     return;
   }
   // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and

@@ -87,11 +87,16 @@ void check_no_fused_double_backward(Who who, bool fused_gradient_wanted);
 /// or stash.
 bool is_traced(const at::Tensor& t);
 
+/// Whether a backward of `layer` built with delay_wgrad_compute=`delay` queues its weight
+/// gradients: not where the layer was deleted since its forward (nothing could run them later,
+/// and its parameters may live on), which computes them at once, as the regular path does.
+bool defers_wgrad(bool delay, core::LayerId layer);
+
 /// The end of a linear (`m_splits` undefined, one sink) or grouped (a sink per group) backward,
 /// for the gradients this pass writes to parameters (the sinks): without `delay`, added at once
 /// (accumulate_wgrad / accumulate_grouped_wgrad; the ledger counts them as this pass's own); with
-/// it, queued as one item of the store for backward_dw(), or, where the layer was deleted since its
-/// forward, dropped with a warning. `module` ("splitgrad.Linear") is named in the refusal to queue
+/// it, queued as one item of the store for backward_dw() (added at once all the same where the
+/// layer is no longer registered). `module` ("splitgrad.Linear") is named in the refusal to queue
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
 /// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.

@@ -147,7 +147,7 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const auto bias_main_grads = ctx->saved_data["bias_main_grads"].toOptionalTensorList();
     const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
-    const bool delay = ctx->saved_data["delay"].toBool();
+    const bool delay = defers_wgrad(ctx->saved_data["delay"].toBool(), layer);
     const size_t groups = weights.size();
     const bool has_bias = !biases.empty();
     // One gradient per flattened forward argument: input, m_splits, each weight, each bias, then

@@ -113,7 +113,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     if (ctx->saved_data.count("compute_dtype"))
       compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
-    const bool delay = ctx->saved_data["delay"].toBool();
+    const bool delay = defers_wgrad(ctx->saved_data["delay"].toBool(), layer);
     const std::string activation = ctx->saved_data["activation"].toStringRef();
     const std::string gemm = ctx->saved_data["gemm"].toStringRef();
     // The GEMM's input: the input, or act(input) recomputed (the forward's bit for bit).
