@@ -6,9 +6,12 @@
 /// Errors from running deferred work (LayerHandle::backward_dw(), backward_dw_all()): if a tensor
 /// stashed for an item (its input or grad_output) was modified in place after the backward pass
 /// that queued it, that item is dropped (dropped_wgrads_for() counts it), nothing of the call runs
-/// and c10::Error is thrown naming the layer; the other items stay queued. An exception thrown by a
-/// grad-ready hook reaches the caller once the item that fired it has landed; the items not run
-/// yet stay queued. Either way no other gradient is lost.
+/// and c10::Error is thrown naming the layer (and the GEMM of a module with several) and the
+/// tensor. LayerHandle::backward_dw() runs one backward pass's items all or none: the pass's other
+/// items are dropped too (counted alike), so no gradient of it is half-written and the next call
+/// runs the next pass. backward_dw_all() puts the other items back on the queue. An exception
+/// thrown by a grad-ready hook reaches the caller once the item that fired it has landed; the items
+/// not run yet stay queued. Either way no gradient is lost silently or left half-written.
 
 #include <ATen/core/Tensor.h>
 

@@ -75,6 +75,8 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 ///        weight's is required (set_main_grad(); from Python `param.main_grad`, or
 ///        `param.get_main_grad()` for a Megatron-FSDP parameter), a bias without one gets its
 ///        gradient in bias.grad. A missing or invalid one is a c10::ValueError in the backward.
+/// \param gemm             names this GEMM in a module with several ("fc1" of a LayerNormMLP):
+///        messages say "splitgrad layer 'mlp' (fc1)", backward_dw()'s too
 /// \return y, [*, out_features]
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias,
@@ -82,7 +84,7 @@ at::Tensor linear(const at::Tensor& input, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias_main_grad, int64_t layer_id,
                   bool delay_wgrad_compute,
                   std::optional<std::string_view> input_activation = std::nullopt,
-                  bool lazy_main_grad = false);
+                  bool lazy_main_grad = false, std::optional<std::string_view> gemm = std::nullopt);
 
 /// \name Activations (Transformer Engine's names)
 /// "gelu" (the tanh approximation), "relu", "silu", "qgelu" (x·sigmoid(1.702x)), "srelu"

@@ -108,11 +108,11 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
     reason="a splitgrad.Linear with delay_wgrad_compute or fuse_wgrad_accumulation runs eagerly "
     "(a graph break): its deferred work and main_grad accumulation happen outside compiled graphs, "
     "so fullgraph=True cannot include it")
-def _linear_outside_graph(inp, weight, bias, layer_id, delay, activation, fused):
+def _linear_outside_graph(inp, weight, bias, layer_id, delay, activation, fused, gemm):
     # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
     # graph, and a fused layer's gradient must reach main_grad, which a compiled backward (where
     # AOTAutograd returns every gradient to autograd) would bypass: such layers run eagerly.
-    return _linear_op(inp, weight, bias, None, None, layer_id, delay, activation, fused)
+    return _linear_op(inp, weight, bias, None, None, layer_id, delay, activation, fused, gemm)
 
 
 def _main_grad_at_backward_only(param: torch.Tensor) -> bool:
@@ -303,9 +303,9 @@ class _DeferredWgradModule(nn.Module):
         fused = self.fuse_wgrad_accumulation
         if path == "compile" and (self.delay_wgrad_compute or fused):
             return _linear_outside_graph(inp, weight, bias, self._layer_id, self.delay_wgrad_compute, activation,
-                                         fused)
+                                         fused, gemm or None)
         return _linear_op(inp, weight, bias, None, None, self._layer_id, self.delay_wgrad_compute, activation,
-                          fused)
+                          fused, gemm or None)
 
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True,
                       gemm: str = "") -> torch.Tensor | None:

@@ -311,7 +311,7 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernor
         weight, optional_if_defined(bias), weight_main_grad, bias_main_grad, weight_name, bias_name,
         autocast ? std::optional<at::ScalarType>(x.scalar_type()) : std::nullopt);
     return ops::linear(x, weight, optional_if_defined(bias), std::nullopt, std::nullopt,
-                       layer_->id(), options.delay_wgrad_compute(), activation, fused);
+                       layer_->id(), options.delay_wgrad_compute(), activation, fused, name);
   };
   torch::Tensor fc1_out = gemm("fc1", ln_out, fc1_weight, fc1_bias, std::nullopt);
   torch::Tensor out = gemm("fc2", fc1_out, fc2_weight, fc2_bias, options.activation());

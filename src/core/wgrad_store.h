@@ -36,13 +36,15 @@ struct GroupTargets {
 /// are split into groups, group i's products going to groups[i].
 struct DeferredWgrad {
   LayerId layer = 0;
-  PassId pass = 0;                   ///< the backward pass that queued it
-  uint64_t seq = 0;                  ///< global queue order, set by WgradStore::push
-  at::Tensor input;                  ///< x, [tokens, in_features]
-  at::Tensor grad_output;            ///< dy, [tokens, out_features]
+  PassId pass = 0;         ///< the backward pass that queued it
+  uint64_t seq = 0;        ///< global queue order, set by WgradStore::push
+  at::Tensor input;        ///< x, [tokens, in_features]
+  at::Tensor grad_output;  ///< dy, [tokens, out_features]
   /// When set, `input` is the activation's input h and x = activation(h) is recomputed right
   /// before the GEMM. The store does not interpret it (the ops layer names its activations).
   std::string input_activation;
+  /// The GEMM in a module with several ("fc1" of a LayerNormMLP), for messages; empty otherwise.
+  std::string gemm;
   uint32_t input_version = 0;        ///< x's version counter when stashed
   uint32_t grad_output_version = 0;  ///< dy's version counter when stashed
   /// The parameters the gradient belongs to (the bias: none when there is no bias gradient),

@@ -438,13 +438,25 @@ bool is_traced(const at::Tensor& t) {
          t.key_set().has(c10::DispatchKey::Python);
 }
 
+bool defers_wgrad(bool delay, core::LayerId layer) {
+  return delay && WgradStore::instance().is_registered(layer);
+}
+
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
-                         const std::string& input_activation) {
+                         const std::string& input_activation, const std::string& gemm) {
   const bool grouped = m_splits.defined();
   TORCH_INTERNAL_ASSERT(input_activation.empty() || (delay && !grouped),
                         "an input activation is recomputed by deferred linear work only");
+  if (delay && !WgradStore::instance().is_registered(layer)) {
+    // Deleted since the backward's defers_wgrad() (by another thread): nothing could run the
+    // item, so the gradients are added at once, as for a layer deleted before its backward.
+    const at::Tensor gemm_input =
+        input_activation.empty() ? input : ops::activation(input, input_activation);
+    accumulate_or_defer(layer, false, grad_output, gemm_input, m_splits, sinks, module);
+    return;
+  }
   DeferredWgrad item;
   item.layer = layer;
   if (grouped) {
@@ -471,18 +483,6 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     }
     return;
   }
-  if (!WgradStore::instance().is_registered(layer)) {
-    // The layer was deleted between its forward and this backward. As for work pending when a
-    // layer is deleted: its contribution is discarded with a warning (and the parameters' hooks
-    // skip this pass), but the rest of the backward pass goes on.
-    TORCH_WARN(layer_label(layer),
-               " was deleted before its backward pass: its deferred weight "
-               "gradient is discarded. Keep a layer alive until its backward_dw() has run.");
-    const std::vector<at::Tensor> targets = item.targets();
-    ledger.expect_deferred(targets, pass.id());
-    ledger.deferred_dropped(targets, pass.id());
-    return;
-  }
   // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
   // functional tensors, Python-dispatched subclasses) would hold placeholders, not data.
   TORCH_CHECK(!is_traced(input) && !is_traced(grad_output) && !(grouped && is_traced(m_splits)),
@@ -492,6 +492,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
               module, " runs delayed layers outside compiled graphs; call the op eagerly.");
   item.input = input;
   item.input_activation = input_activation;
+  item.gemm = gemm;
   item.grad_output = grad_output;
   item.input_version = input._version();
   item.grad_output_version = grad_output._version();
@@ -517,7 +518,7 @@ std::string stale_reason(const DeferredWgrad& item) {
     const at::Tensor weight(item.weight.lock());
     const std::string for_weight =
         weight.defined() ? c10::str(", for the weight of shape ", weight.sizes(), ",") : "";
-    return c10::str(detail::layer_label(item.layer), ": the ", what,
+    return c10::str(detail::layer_label(item.layer, item.gemm), ": the ", what,
                     " stashed for its deferred weight gradient was modified in place after the "
                     "backward pass that queued it (its version is now ",
                     now, "; ", saved, " was stashed). That item", for_weight,
@@ -794,12 +795,40 @@ void drop_released(std::vector<DeferredWgrad> items) {
   items.clear();
 }
 
+// What run() does with the items of a batch that passed their checks when another failed.
+enum class OnStale {
+  kRequeue,  // they go back on the queue (backward_dw_all: items of many layers and passes)
+  kDropAll,  // they are dropped too (one layer's backward_dw(): the items of one pass)
+};
+
+// " The other 1 deferred item(s) ... (fc2) ... were dropped too": the rest of a pass, dropped with
+// its item `failed` (`gemms`: each item's GEMM name).
+std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed) {
+  std::vector<std::string> names;
+  for (size_t i = 0; i < gemms.size(); ++i) {
+    if (i != failed && !gemms[i].empty() &&
+        std::find(names.begin(), names.end(), gemms[i]) == names.end())
+      names.push_back(gemms[i]);
+  }
+  return c10::str(
+      " The other ", gemms.size() - 1, " deferred item(s) that backward pass queued for this layer",
+      names.empty() ? "" : c10::str(" (", c10::Join(", ", names), ")"),
+      " were dropped too, unrun: backward_dw() runs a pass's items all or none, so that no "
+      "gradient of the pass is half-written and the next backward_dw() runs the next pass.");
+}
+
 // Runs the items of `batch` in order. Items whose stashed tensors changed are dropped and
-// reported; then nothing runs and the others go back on the queue, so one call either runs
-// everything or nothing.
-void run(std::vector<DeferredWgrad> items, uint64_t batch) {
+// reported; then nothing runs and the others go back on the queue (kRequeue) or are dropped too
+// (kDropAll), so one call either runs everything or nothing.
+void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   auto& in_flight = InFlight::instance();
+  const bool drop_all = on_stale == OnStale::kDropAll && items.size() > 1;
+  std::vector<std::string> gemms;
+  if (drop_all) {
+    for (const auto& item : items) gemms.push_back(item.gemm);
+  }
   std::string error;
+  size_t failed = 0;  // the first item whose check failed, where `error` is set
   std::vector<DeferredWgrad> runnable;
   std::vector<size_t> index;  // runnable[i] is item index[i] of the batch
   runnable.reserve(items.size());
@@ -811,8 +840,21 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch) {
     } else {
       drop(items[i]);
       in_flight.settled(batch, i);
-      if (error.empty()) error = std::move(reason);
+      if (error.empty()) {
+        error = std::move(reason);
+        failed = i;
+      }
     }
+  }
+  if (!error.empty() && drop_all) {
+    error += dropped_with_it(gemms, failed);
+    for (size_t i = 0; i < runnable.size(); ++i) {
+      drop(runnable[i]);
+      in_flight.settled(batch, index[i]);
+    }
+    const detail::ReferenceBatch references;
+    runnable.clear();
+    index.clear();
   }
   // Puts the items after runnable[i] back on the queue: no gradient is lost, but for items of a
   // layer released meanwhile (a hook deleted it), which are reported as dropped.
@@ -953,7 +995,7 @@ void LayerHandle::backward_dw() {
               ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
               "this layer (run a backward pass through it first, or check that it was built with "
               "delay_wgrad_compute=True)");
-  run(std::move(items), batch.id);
+  run(std::move(items), batch.id, OnStale::kDropAll);
 }
 
 std::vector<int64_t> LayerHandle::pending_passes() const {
@@ -973,7 +1015,7 @@ void LayerHandle::backward_dw(int64_t pass) {
               ") was called but that backward pass has no deferred wgrad work queued for this "
               "layer (passes pending: ",
               c10::Join(", ", pending_passes()), ")");
-  run(std::move(items), batch.id);
+  run(std::move(items), batch.id, OnStale::kDropAll);
 }
 
 void backward_dw_all() { backward_dw_all({}); }
@@ -987,7 +1029,7 @@ void backward_dw_all(const std::vector<at::Tensor>& params) {
       BatchScope batch{InFlight::instance().take(
           [&] { return WgradStore::instance().take_feeding(params); }, items)};
       others = InFlight::instance().others(params);
-      if (!items.empty()) run(std::move(items), batch.id);
+      if (!items.empty()) run(std::move(items), batch.id, OnStale::kRequeue);
     }
     if (others.empty()) return;
     InFlight::instance().wait_for(others);

@@ -71,7 +71,8 @@ void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
 
 /// The grouped form (GroupedLinear): rows [offset_i, offset_i + m_splits[i]) of grad_output and
 /// input feed sinks[i], with accumulate_wgrad's arithmetic per group. Sinks may share a parameter
-/// (tied experts): its contributions are added in group order.
+/// (tied experts): its .grad gets their sum in reverse group order, as per-expert autograd adds
+/// them (a main_grad accumulates them in group order).
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                               const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
 
@@ -86,18 +87,24 @@ void check_no_fused_double_backward(Who who, bool fused_gradient_wanted);
 /// or stash.
 bool is_traced(const at::Tensor& t);
 
+/// Whether a backward of `layer` built with delay_wgrad_compute=`delay` queues its weight
+/// gradients: not where the layer was deleted since its forward (nothing could run them later,
+/// and its parameters may live on), which computes them at once, as the regular path does.
+bool defers_wgrad(bool delay, core::LayerId layer);
+
 /// The end of a linear (`m_splits` undefined, one sink) or grouped (a sink per group) backward,
 /// for the gradients this pass writes to parameters (the sinks): without `delay`, added at once
 /// (accumulate_wgrad / accumulate_grouped_wgrad; the ledger counts them as this pass's own); with
-/// it, queued as one item of the store for backward_dw(), or, where the layer was deleted since its
-/// forward, dropped with a warning. `module` ("splitgrad.Linear") is named in the refusal to queue
+/// it, queued as one item of the store for backward_dw() (added at once all the same where the
+/// layer is no longer registered). `module` ("splitgrad.Linear") is named in the refusal to queue
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
-/// GEMM.
+/// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
-                         const std::string& input_activation = std::string());
+                         const std::string& input_activation = std::string(),
+                         const std::string& gemm = std::string());
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);

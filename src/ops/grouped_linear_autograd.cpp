@@ -7,6 +7,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <unordered_map>
+
 #include "ops/checks.h"
 #include "ops/deferred_internal.h"
 #include "splitgrad/ops.h"
@@ -84,6 +86,24 @@ std::vector<at::Tensor> split_rows(const at::Tensor& t, const std::vector<int64_
   return out;
 }
 
+// Autograd adds the gradients an op returns for one parameter in slot order, (v0 + v1) + v2,
+// where per-expert nn.Linear ops reach a parameter tied across experts in reverse (the last
+// expert's backward runs first): (v2 + v1) + v0. Such a parameter gets that sum in one slot of
+// `grads` (slots first_slot + i for params[i]), the others none, as the delayed path adds it
+// (accumulate_grouped_wgrad).
+void sum_tied_in_reverse(variable_list& grads, size_t first_slot,
+                         const std::vector<at::Tensor>& params) {
+  std::unordered_map<const c10::TensorImpl*, size_t> sum_slot;
+  for (size_t i = params.size(); i-- > 0;) {
+    at::Tensor& grad = grads[first_slot + i];
+    if (!grad.defined()) continue;
+    const auto [it, first] = sum_slot.emplace(params[i].unsafeGetTensorImpl(), first_slot + i);
+    if (first) continue;
+    grads[it->second] = grads[it->second] + grad;
+    grad = at::Tensor();
+  }
+}
+
 class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
@@ -125,9 +145,9 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
     const auto weight_main_grads = ctx->saved_data["weight_main_grads"].toOptionalTensorList();
     const auto bias_main_grads = ctx->saved_data["bias_main_grads"].toOptionalTensorList();
-    const bool delay = ctx->saved_data["delay"].toBool();
     const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
+    const bool delay = defers_wgrad(ctx->saved_data["delay"].toBool(), layer);
     const size_t groups = weights.size();
     const bool has_bias = !biases.empty();
     // One gradient per flattened forward argument: input, m_splits, each weight, each bias, then
@@ -169,6 +189,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
         if (weight_wanted[i]) grads[weight_slot + i] = at::mm(dys[i].t(), xs[i]);
         if (bias_wanted[i]) grads[bias_slot + i] = dys[i].sum(0);
       }
+      sum_tied_in_reverse(grads, weight_slot, weights);
+      sum_tied_in_reverse(grads, bias_slot, biases);
       return grads;
     }
     if (ctx->needs_input_grad(0)) {
@@ -200,6 +222,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
         if (weight_wanted[i]) grads[weight_slot + i] = weight_grads[i];
         if (bias_wanted[i]) grads[bias_slot + i] = bias_grads[i];
       }
+      sum_tied_in_reverse(grads, weight_slot, weights);
+      sum_tied_in_reverse(grads, bias_slot, biases);
       return grads;
     }
     if (any_returned) {
@@ -210,6 +234,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
           grads[weight_slot + i] = weight_grads[i];
         if (bias_wanted[i] && !sinks[i].bias.defined()) grads[bias_slot + i] = bias_grads[i];
       }
+      sum_tied_in_reverse(grads, weight_slot, weights);
+      sum_tied_in_reverse(grads, bias_slot, biases);
     }
     if (!any_sink) return grads;
     accumulate_or_defer(layer, delay, grad_output, input, m_splits, sinks,

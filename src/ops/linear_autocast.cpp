@@ -38,20 +38,21 @@ template <c10::DeviceType device>
 at::Tensor linear_autocast(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                            const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
                            int64_t layer_id, bool delay_wgrad_compute,
-                           std::optional<c10::string_view> input_activation, bool lazy_main_grad) {
+                           std::optional<c10::string_view> input_activation, bool lazy_main_grad,
+                           std::optional<c10::string_view> gemm) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(
       at::autocast::get_autocast_dispatch_key_from_device_type(device));
   // A weight autocast leaves alone (float64, another device) keeps the op as it is, as F.linear.
   if (!at::autocast::is_eligible(weight, device)) {
     return ops::linear(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                       delay_wgrad_compute, input_activation, lazy_main_grad);
+                       delay_wgrad_compute, input_activation, lazy_main_grad, gemm);
   }
   const auto dtype = at::autocast::get_lower_precision_fp_from_device_type(device);
   AutocastComputeDtype compute(dtype);
   // An input activation runs in the compute dtype too, on the cast input.
   return ops::linear(at::autocast::cached_cast(dtype, input, device), weight, bias,
                      weight_main_grad, bias_main_grad, layer_id, delay_wgrad_compute,
-                     input_activation, lazy_main_grad);
+                     input_activation, lazy_main_grad, gemm);
 }
 
 // The grouped forms, likewise (the splits are not cast).

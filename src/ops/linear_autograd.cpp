@@ -17,7 +17,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
-using OptActivation = std::optional<c10::string_view>;
+using OptString = std::optional<c10::string_view>;
 
 at::Tensor value_or_undefined(const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); }
 
@@ -27,9 +27,9 @@ void check_layer_args(core::LayerId layer_id, bool delay, const at::Tensor& inpu
                       const at::Tensor& weight, const OptTensor& bias,
                       const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
                       bool lazy_main_grad, std::optional<at::ScalarType> compute_dtype,
-                      const std::string& activation) {
+                      const std::string& activation, const std::string& gemm) {
   auto who = [&] {
-    return layer_id > 0 ? layer_label(layer_id) : std::string("splitgrad::linear");
+    return layer_id > 0 ? layer_label(layer_id, gemm) : std::string("splitgrad::linear");
   };
   check_linear_args(
       who, activation.empty() ? input : activation_gemm_input(who, input, activation, weight),
@@ -61,8 +61,8 @@ at::Tensor fprop(const at::Tensor& input, const at::Tensor& weight, const OptTen
   return ops::linear_fprop(input, in_compute_dtype(weight, compute_dtype), bias_now);
 }
 
-std::string activation_name(const OptActivation& activation) {
-  return activation.has_value() ? std::string(*activation) : std::string();
+std::string string_or_empty(const OptString& name) {
+  return name.has_value() ? std::string(*name) : std::string();
 }
 
 // With an input activation, `input` is h and the GEMM's input a = act(h). The backward needs h
@@ -76,15 +76,18 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
                             const OptTensor& bias, const OptTensor& weight_main_grad,
                             const OptTensor& bias_main_grad, int64_t layer_id, bool delay,
-                            const OptActivation& input_activation, bool lazy_main_grad) {
+                            const OptString& input_activation, bool lazy_main_grad,
+                            const OptString& gemm_name) {
     const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
-    const std::string activation = activation_name(input_activation);
+    const std::string activation = string_or_empty(input_activation);
+    const std::string gemm = string_or_empty(gemm_name);
     check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad,
-                     lazy_main_grad, compute_dtype, activation);
+                     lazy_main_grad, compute_dtype, activation, gemm);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const at::Tensor gemm_input = activation.empty() ? input : ops::activation(input, activation);
     ctx->save_for_backward({input, weight});
     ctx->saved_data["activation"] = activation;
+    ctx->saved_data["gemm"] = gemm;
     // The parameters themselves, for the gradient sinks: saved tensors may come back as other
     // tensors (activation checkpointing's saved-tensor hooks return recomputed copies), and a
     // gradient added to a copy's .grad would be lost.
@@ -109,14 +112,15 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     std::optional<at::ScalarType> compute_dtype;
     if (ctx->saved_data.count("compute_dtype"))
       compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
-    const bool delay = ctx->saved_data["delay"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
+    const bool delay = defers_wgrad(ctx->saved_data["delay"].toBool(), layer);
     const std::string activation = ctx->saved_data["activation"].toStringRef();
+    const std::string gemm = ctx->saved_data["gemm"].toStringRef();
     // The GEMM's input: the input, or act(input) recomputed (the forward's bit for bit).
     auto gemm_input = [&]() -> at::Tensor {
       return activation.empty() ? input : ops::activation(input, activation);
     };
-    variable_list grads(9);  // one per forward argument
+    variable_list grads(10);  // one per forward argument
     if (!grad_output.defined()) return grads;
     // needs_input_grad is false for a parameter frozen at the forward (no edge to it) and for one
     // this pass does not ask for (autograd.grad or backward(inputs=...) without it).
@@ -125,7 +129,9 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const at::Tensor weight_main_grad = ctx->saved_data["weight_main_grad"].toTensor();
     const at::Tensor bias_main_grad = ctx->saved_data["bias_main_grad"].toTensor();
     const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
-    auto who = [&] { return layer > 0 ? layer_label(layer) : std::string("splitgrad::linear"); };
+    auto who = [&] {
+      return layer > 0 ? layer_label(layer, gemm) : std::string("splitgrad::linear");
+    };
 
     if (at::GradMode::is_enabled()) {
       // backward(create_graph=True): the gradients must be differentiable themselves, so they
@@ -183,29 +189,30 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const bool defer_activation = delay && !activation.empty();
     accumulate_or_defer(layer, delay, grad_output, defer_activation ? input : gemm_input(),
                         /*m_splits=*/at::Tensor(), sinks, "splitgrad.Linear",
-                        defer_activation ? activation : std::string());
+                        defer_activation ? activation : std::string(), gemm);
     return grads;
   }
 };
 
 at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                            const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
-                           int64_t layer_id, bool delay_wgrad_compute,
-                           OptActivation input_activation, bool lazy_main_grad) {
+                           int64_t layer_id, bool delay_wgrad_compute, OptString input_activation,
+                           bool lazy_main_grad, OptString gemm) {
   return LinearFunction::apply(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                               delay_wgrad_compute, input_activation, lazy_main_grad);
+                               delay_wgrad_compute, input_activation, lazy_main_grad, gemm);
 }
 
 // Below autograd (inference mode, tracing): the forward alone.
 at::Tensor linear_forward_only(const at::Tensor& input, const at::Tensor& weight,
                                const OptTensor& bias, const OptTensor& weight_main_grad,
                                const OptTensor& bias_main_grad, int64_t layer_id,
-                               bool delay_wgrad_compute, OptActivation input_activation,
-                               bool lazy_main_grad) {
+                               bool delay_wgrad_compute, OptString input_activation,
+                               bool lazy_main_grad, OptString gemm) {
   const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
-  const std::string activation = activation_name(input_activation);
+  const std::string activation = string_or_empty(input_activation);
   check_layer_args(layer_id, delay_wgrad_compute, input, weight, bias, weight_main_grad,
-                   bias_main_grad, lazy_main_grad, compute_dtype, activation);
+                   bias_main_grad, lazy_main_grad, compute_dtype, activation,
+                   string_or_empty(gemm));
   return fprop(activation.empty() ? input : ops::activation(input, activation), weight, bias,
                compute_dtype);
 }

@@ -43,13 +43,14 @@ void linear_wgrad_accumulate_(const at::Tensor& grad_output, const at::Tensor& i
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const OptTensor& bias,
                   const OptTensor& weight_main_grad, const OptTensor& bias_main_grad,
                   int64_t layer_id, bool delay_wgrad_compute,
-                  std::optional<std::string_view> input_activation, bool lazy_main_grad) {
+                  std::optional<std::string_view> input_activation, bool lazy_main_grad,
+                  std::optional<std::string_view> gemm) {
   static auto handle =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                    const OptTensor&, int64_t, bool, std::optional<c10::string_view>, bool)>(
-          "splitgrad::linear");
+                    const OptTensor&, int64_t, bool, std::optional<c10::string_view>, bool,
+                    std::optional<c10::string_view>)>("splitgrad::linear");
   return handle.call(input, weight, bias, weight_main_grad, bias_main_grad, layer_id,
-                     delay_wgrad_compute, input_activation, lazy_main_grad);
+                     delay_wgrad_compute, input_activation, lazy_main_grad, gemm);
 }
 
 at::Tensor activation(const at::Tensor& input, std::string_view activation) {

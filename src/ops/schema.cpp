@@ -14,11 +14,12 @@ TORCH_LIBRARY(splitgrad, m) {
   m.def(
       "linear(Tensor input, Tensor weight, Tensor? bias, Tensor? weight_main_grad, "
       "Tensor? bias_main_grad, int layer_id, bool delay_wgrad_compute, "
-      "str? input_activation=None, bool lazy_main_grad=False) -> Tensor");
+      "str? input_activation=None, bool lazy_main_grad=False, str? gemm=None) -> Tensor");
   // TE's activations ("gelu" tanh-approximated, "relu", "silu", "qgelu", "srelu"; gated "geglu",
   // "reglu", "swiglu", "qgeglu", "sreglu", "glu":
   // act(a) * b for input [a | b] along the last dim). activation_backward returns the gradient
-  // with respect to `input`. linear's input_activation applies one to its input first.
+  // with respect to `input`. linear's input_activation applies one to its input first; its gemm
+  // names the GEMM in a module with several ("fc1"), for messages.
   m.def("activation(Tensor input, str activation) -> Tensor");
   m.def("activation_backward(Tensor grad_output, Tensor input, str activation) -> Tensor");
   // lazy_main_grad (fuse_wgrad_accumulation as Transformer Engine does it): no main_grad is

@@ -116,6 +116,50 @@ TEST_P(GroupedLinearTest, TiedExpertsAndHooks) {
   EXPECT_TRUE(Bitwise(experts->weights[1].grad(), w_ref[1].grad()));
 }
 
+// Per-expert autograd adds the values of a parameter tied across experts in reverse expert order
+// ((v4 + v3) + v1: the last expert's backward runs first), which differs from slot order in fp32
+// with three or more: both paths add them in that order, bit for bit.
+TEST_P(GroupedLinearTest, ThreeOrFourTiedExpertsSumAsPerExpertAutograd) {
+  const bool delay = GetParam();
+  for (const std::vector<size_t>& tied : {std::vector<size_t>{1, 3, 4}, {0, 1, 2, 4}}) {
+    GroupedLinear experts(opts(5).delay_wgrad_compute(delay));
+    for (size_t i : tied) {
+      if (i == tied.front()) continue;
+      experts->tie_weight(static_cast<int64_t>(i), experts->weights[tied.front()]);
+      experts->tie_bias(static_cast<int64_t>(i), experts->biases[tied.front()]);
+    }
+    auto w_ref = clones(experts->weights);
+    auto b_ref = clones(experts->biases);
+    for (size_t i : tied) {  // the reference ties the same experts
+      w_ref[i] = w_ref[tied.front()];
+      b_ref[i] = b_ref[tied.front()];
+    }
+    const std::vector<int64_t> splits{3, 4, 5, 6, 2};
+    torch::Tensor x = torch::randn({20, kIn});
+    torch::Tensor g = torch::randn({20, kOut});
+    experts(x, torch::tensor(splits)).backward(g);
+    reference(x, splits, w_ref, b_ref).backward(g);
+    if (delay) experts->backward_dw();
+    for (size_t i = 0; i < splits.size(); ++i) {
+      EXPECT_TRUE(Bitwise(experts->weights[i].grad(), w_ref[i].grad())) << "weight" << i;
+      EXPECT_TRUE(Bitwise(experts->biases[i].grad(), b_ref[i].grad())) << "bias" << i;
+    }
+    // The case tells the orders apart: slot order gives other bits.
+    torch::Tensor in_slot_order = torch::zeros({kOut, kIn});
+    torch::Tensor bias_in_slot_order = torch::zeros({kOut});
+    const auto xs = x.split_with_sizes(splits);
+    const auto gs = g.split_with_sizes(splits);
+    for (size_t k = 0; k < tied.size(); ++k) {
+      const size_t i = tied[k];
+      const torch::Tensor v = torch::mm(gs[i].t(), xs[i]), b = gs[i].sum(0);
+      in_slot_order = k == 0 ? v : in_slot_order + v;
+      bias_in_slot_order = k == 0 ? b : bias_in_slot_order + b;
+    }
+    EXPECT_FALSE(torch::equal(in_slot_order, w_ref[tied.front()].grad()));
+    EXPECT_FALSE(torch::equal(bias_in_slot_order, b_ref[tied.front()].grad()));
+  }
+}
+
 TEST_P(GroupedLinearTest, FusedMainGrad) {
   const bool delay = GetParam();
   GroupedLinear experts(opts(3).delay_wgrad_compute(delay).fuse_wgrad_accumulation(true));

@@ -248,6 +248,62 @@ TEST(LayerNormMLP, OneBackwardDwRunsOnePassOfFc2ThenFc1) {
   EXPECT_CONTAINS(msg, "no backward pass has queued");
 }
 
+// One backward pass queues fc2's and fc1's items. fc1's stash (the norm's output, returned) is
+// modified in place: backward_dw() names the module, fc1 and the tensor, says that fc2's item was
+// dropped too, writes nothing and leaves nothing of that pass queued (the hooks skip it); the next
+// pass takes one backward_dw() and matches plain autograd bit for bit.
+TEST(LayerNormMLP, AFailedCheckDropsThePassAndTheNextPassIsExact) {
+  LayerNormMLP m(LayerNormMLPOptions(kHidden, kFfn)
+                     .delay_wgrad_compute(true)
+                     .name("blocks.0.mlp")
+                     .device(torch::kCPU));
+  randomize(*m);
+  const std::vector<torch::Tensor> fc{m->fc1_weight, m->fc1_bias, m->fc2_weight, m->fc2_bias};
+  int fired = 0;
+  for (const auto& p : fc) {
+    splitgrad::register_grad_ready_hook(p, [&](const torch::Tensor&) { ++fired; });
+  }
+  auto [out, ln_out] = m->forward_with_layernorm_output(torch::randn({5, kHidden}));
+  (out.pow(2).sum() + ln_out.sum()).backward();
+  ASSERT_EQ(m->pending_wgrads(), 2);
+  ln_out.add_(1.0);  // fc1's stashed input
+  const std::string msg = error_message([&] { m->backward_dw(); });
+  EXPECT_CONTAINS(msg, "splitgrad layer 'blocks.0.mlp' (fc1): the input stashed");
+  EXPECT_CONTAINS(msg, "modified in place");
+  EXPECT_CONTAINS(msg, "for the weight of shape [12, 8], was dropped");
+  EXPECT_CONTAINS(msg,
+                  "The other 1 deferred item(s) that backward pass queued for this layer (fc2) "
+                  "were dropped too");
+  EXPECT_EQ(m->pending_wgrads(), 0);
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  for (const auto& p : fc) {
+    EXPECT_FALSE(p.grad().defined());
+    EXPECT_EQ(splitgrad::pending_wgrads_for(p), 0);
+    EXPECT_EQ(splitgrad::dropped_wgrads_for(p), 1);
+  }
+  EXPECT_EQ(fired, 0) << "that pass's gradients are incomplete";
+
+  m->zero_grad(/*set_to_none=*/true);
+  auto lw = ref_param(m->layer_norm_weight), lb = ref_param(m->layer_norm_bias);
+  auto w1 = ref_param(m->fc1_weight), b1 = ref_param(m->fc1_bias);
+  auto w2 = ref_param(m->fc2_weight), b2 = ref_param(m->fc2_bias);
+  const torch::Tensor x = torch::randn({5, kHidden});
+  m->forward(x).pow(2).sum().backward();
+  m->backward_dw();
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  F::linear(ref_activation("gelu", F::linear(ref_norm(x, "LayerNorm", lw, lb, false), w1, b1)), w2,
+            b2)
+      .pow(2)
+      .sum()
+      .backward();
+  EXPECT_TRUE(Bitwise(m->layer_norm_weight.grad(), lw.grad()));
+  EXPECT_TRUE(Bitwise(m->fc1_weight.grad(), w1.grad()));
+  EXPECT_TRUE(Bitwise(m->fc1_bias.grad(), b1.grad()));
+  EXPECT_TRUE(Bitwise(m->fc2_weight.grad(), w2.grad()));
+  EXPECT_TRUE(Bitwise(m->fc2_bias.grad(), b2.grad()));
+  EXPECT_EQ(fired, 4);
+}
+
 TEST(LayerNormMLP, DelayedEqualsImmediateBitForBitInBf16) {
   auto options = LayerNormMLPOptions(kHidden, kFfn)
                      .activation("geglu")

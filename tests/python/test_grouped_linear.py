@@ -166,6 +166,36 @@ def test_experts_tied_to_each_other(delay):
     _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("tied", [[1, 3, 4], [0, 1, 2, 4]], ids=["3-tied", "4-tied"])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_three_or_four_tied_experts_sum_as_per_expert_autograd(tied, delay):
+    """A weight and a bias tied across 3 or 4 experts: per-expert autograd adds their values in
+    reverse expert order ((v4 + v3) + v1, the last expert's backward running first), which in fp32
+    differs from slot order. The regular path (one summed gradient returned to autograd) and the
+    delayed one both match it bit for bit."""
+    layer = _layer(n=5, delay_wgrad_compute=delay)
+    for i in tied[1:]:
+        setattr(layer, f"weight{i}", layer.weights[tied[0]])
+        setattr(layer, f"bias{i}", layer.biases[tied[0]])
+    reference = to_reference(layer)
+    splits = [3, 4, 5, 6, 2]
+    x, gy = _data(splits)
+    layer(x, splits).backward(gy)
+    reference(x, splits).backward(gy)
+    layer.backward_dw()
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    # the data tell the orders apart: slot order gives other bits
+    xs, gys = x.split(splits), gy.split(splits)
+    weight_values = [gys[i].t() @ xs[i] for i in tied]
+    bias_values = [gys[i].sum(0) for i in tied]
+    in_slot_order = [sum(values[1:], values[0]) for values in (weight_values, bias_values)]
+    in_reverse = [sum(values[-2::-1], values[-1]) for values in (weight_values, bias_values)]
+    name = f"weight{tied[0]}"
+    assert torch.equal(dict(reference.named_parameters())[name].grad, in_reverse[0])
+    assert not torch.equal(in_slot_order[0], in_reverse[0])
+    assert not torch.equal(in_slot_order[1], in_reverse[1])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("passes", [1, 2])

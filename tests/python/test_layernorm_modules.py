@@ -604,46 +604,73 @@ def test_stashed_norm_output_modified_in_place_is_an_error_and_loses_nothing_els
     assert model.weight.grad is None and splitgrad.pending_wgrads() == 0
 
 
-def test_mlp_norm_output_modified_in_place_names_fc1s_weight_and_keeps_fc2s_item():
-    """fc1's deferred item keeps the norm's output (returned by return_layernorm_output): modified
-    in place, fc1's item is dropped with an error naming its weight's shape; fc2's item still runs
-    and gives plain autograd's fc2 gradients."""
-    model = make("mlp", return_layernorm_output=True, delay_wgrad_compute=True, name="blocks.0.mlp")
+FC_PARAMS = ("fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+
+
+def _fails_then_next_pass_is_exact(model, spoil, message):
+    """One backward pass of a delayed LayerNormMLP queues fc2's and fc1's items; ``spoil(out)``
+    modifies one's stash in place. backward_dw() raises ``message``, writes no fc gradient, and takes
+    both items off the queue, reported dropped (the pass's grad-ready hooks do not fire). The next
+    pass then needs one backward_dw(), and its gradients are plain autograd's, bit for bit."""
+    randomize(model)
+    fired = []
+    for name in FC_PARAMS:
+        splitgrad.register_grad_ready_hook(getattr(model, name), lambda p, name=name: fired.append(name))
+    out = model(torch.randn(3, H))
+    loss_of(out).backward()
+    assert model.pending_wgrads() == 2
+    spoil(out)
+    with pytest.raises(RuntimeError, match=message):
+        model.backward_dw()
+    assert model.pending_wgrads() == 0 and splitgrad.pending_wgrads() == 0
+    for name in FC_PARAMS:
+        param = getattr(model, name)
+        assert param.grad is None, name
+        assert splitgrad._C.pending_wgrads_for(param) == 0 and splitgrad._C.dropped_wgrads_for(param) == 1, name
+    assert fired == []  # that pass's fc gradients are incomplete: their reducers must not run
+    with pytest.raises(RuntimeError, match="no backward pass has queued"):
+        model.backward_dw()  # nothing of the failed pass is left to run
+    model.zero_grad(set_to_none=True)
+    reference = to_reference(model)
     x = torch.randn(3, H)
-    out, ln_out = model(x)
-    out.sum().backward()
-    ln_out.add_(1.0)  # fc1's stashed input
+    loss_of(model(x)).backward()
+    loss_of(reference(x)).backward()
+    model.backward_dw()
+    assert splitgrad.pending_wgrads() == 0
+    assert_same(model, reference)
+    assert sorted(fired) == sorted(FC_PARAMS)
+
+
+def test_mlp_norm_output_modified_in_place_names_fc1_and_drops_the_pass():
+    """fc1's stash is the norm's output (returned by return_layernorm_output): modified in place,
+    the error names the module, fc1, its input and its weight's shape, and says that fc2's item of
+    that pass was dropped too."""
+    model = make("mlp", return_layernorm_output=True, delay_wgrad_compute=True, name="blocks.0.mlp")
     fc1_shape = re.escape(str(list(model.fc1_weight.shape)))
-    with pytest.raises(RuntimeError, match=r"'blocks.0.mlp': the input stashed .* That item, for the weight of "
-                                           rf"shape {fc1_shape}, was dropped"):
-        model.backward_dw()
-    assert model.fc1_weight.grad is None
-    while splitgrad.pending_wgrads():
-        model.backward_dw()
-    reference = make("mlp", return_layernorm_output=True)
-    reference.load_state_dict(model.state_dict())
-    reference(x)[0].sum().backward()
-    torch.testing.assert_close(model.fc2_weight.grad, reference.fc2_weight.grad)
-    torch.testing.assert_close(model.fc2_bias.grad, reference.fc2_bias.grad)
+    _fails_then_next_pass_is_exact(
+        model, lambda out: out[1].add_(1.0),
+        rf"^splitgrad layer 'blocks.0.mlp' \(fc1\): the input stashed for its deferred weight gradient was "
+        rf"modified in place .* That item, for the weight of shape {fc1_shape}, was dropped .* The other 1 "
+        r"deferred item\(s\) that backward pass queued for this layer \(fc2\) were dropped too")
 
 
-def test_mlp_fc1_output_modified_in_place_names_fc2s_stash_and_keeps_fc1s_item():
-    """fc2's deferred item keeps fc1's output (the activation's input): modified in place, fc2's
-    item is dropped with an error saying which stash; fc1's item stays queued and runs next."""
+def test_mlp_fc1_output_modified_in_place_names_fc2s_stash_and_drops_the_pass():
+    """fc2's deferred item keeps fc1's output (the activation's input): modified in place, the error
+    names fc2 and that stash, and says that fc1's item of that pass was dropped too."""
     model = make("mlp", delay_wgrad_compute=True, name="blocks.0.mlp")
     kept = []
+
+    def spoil(out):
+        fc1_out = [t for t in kept if t.shape[-1] == model.fc1_weight.shape[0]]
+        assert fc1_out, "fc1's output is among the saved tensors"
+        fc1_out[0].add_(1.0)
+
     with torch.autograd.graph.saved_tensors_hooks(lambda t: (kept.append(t), t)[1], lambda t: t):
-        out = model(torch.randn(3, H))
-    out.sum().backward()
-    fc1_out = [t for t in kept if t.shape[-1] == model.fc1_weight.shape[0]]
-    assert fc1_out, "fc1's output is among the saved tensors"
-    fc1_out[0].add_(1.0)
-    with pytest.raises(RuntimeError, match=r"'blocks.0.mlp': the input of its activation \"\w+\" \(in a "
-                                           r"LayerNormMLP: fc2's, fc1's output\) stashed"):
-        model.backward_dw()
-    assert model.fc2_weight.grad is None and splitgrad.pending_wgrads() > 0
-    model.backward_dw()  # fc1's item
-    assert model.fc1_weight.grad is not None and splitgrad.pending_wgrads() == 0
+        _fails_then_next_pass_is_exact(
+            model, spoil,
+            r"^splitgrad layer 'blocks.0.mlp' \(fc2\): the input of its activation \"\w+\" \(in a LayerNormMLP: "
+            r"fc2's, fc1's output\) stashed .* The other 1 deferred item\(s\) that backward pass queued for this "
+            r"layer \(fc1\) were dropped too")
 
 
 def test_pending_work_guards_name_the_module():

@@ -73,11 +73,11 @@ class ParallelReuse(nn.Module):
 
 def test_inplace_modified_input():
     """The input of one of a pass's two items is modified in place: backward_dw() raises naming the
-    layer and the input, writes no gradient, and puts the other item back; it then runs alone and
-    gives exactly that application's gradient. Grad-ready hooks do not fire for the incomplete
-    pass. The store stays usable."""
+    layer and the input, and says that the pass's other item was dropped too: it runs a pass's
+    items all or none, so no gradient of that pass is half-written and nothing of it stays queued
+    for the next backward_dw(). Grad-ready hooks do not fire for the incomplete pass. The store
+    stays usable: the next pass runs normally with one backward_dw()."""
     model = ParallelReuse()
-    single = to_reference(model.fc)  # the reference for the second application alone
     hook_calls = []
     splitgrad.register_grad_ready_hook(model.fc.weight, hook_calls.append)
     (x1, x2), _ = make_data(2, (3, D), D)
@@ -85,18 +85,13 @@ def test_inplace_modified_input():
     model(x1, x2).backward(gy)
     assert model.fc.pending_wgrads() == 2
     x1.mul_(2)  # the stashed input of the first application
-    with pytest.raises(RuntimeError, match=r"'reused'.*input.*modified in place"):
+    with pytest.raises(RuntimeError, match=r"'reused'.*input.*modified in place.* The other 1 deferred item\(s\) "
+                                           r"that backward pass queued for this layer were dropped too"):
         model.fc.backward_dw()
     assert model.fc.weight.grad is None and model.fc.bias.grad is None
-    assert model.fc.pending_wgrads() == 1
-    model.fc.backward_dw()
-    single(x2).backward(gy)
-    torch.testing.assert_close(model.fc.weight.grad, single.weight.grad, rtol=0, atol=0)
-    torch.testing.assert_close(model.fc.bias.grad, single.bias.grad, rtol=0, atol=0)
+    assert model.fc.pending_wgrads() == 0 and splitgrad.pending_wgrads() == 0
+    assert splitgrad._C.dropped_wgrads_for(model.fc.weight) == 2  # both items, reported
     assert hook_calls == []  # that pass's gradient is incomplete: its reducers must not run
-    # still usable: a new pass runs normally (and its hook fires)
-    model.fc.weight.grad = None
-    model.fc.bias.grad = None
     reference = to_reference(model)
     model(x1, x2).backward(gy)
     reference(x1, x2).backward(gy)
@@ -337,29 +332,75 @@ def test_layer_deleted_with_pending_work():
     assert_grads_match(nn.Sequential(keep_layer), reference, exact=True)
 
 
-def test_layer_deleted_between_forward_and_backward():
-    """A delayed layer that is garbage before its backward pass: the backward still completes
-    (every other gradient lands, exactly), the layer's own contribution is discarded with a
-    warning, nothing is queued, and its weight's grad-ready hook skips that incomplete pass."""
+def _doomed_grouped():
+    experts = splitgrad.GroupedLinear(4, D, D, device="cpu", delay_wgrad_compute=True, name="doomed")
+    experts.weight2 = experts.weight3 = experts.weight0  # tied three times: the sum's order matters
+    return experts
+
+
+DOOMED = {  # a delayed layer, and how to apply it
+    "Linear": (lambda: linear(True, name="doomed"), lambda m, h: m(h)),
+    "Linear-fused": (lambda: linear(True, name="doomed", fuse_wgrad_accumulation=True), lambda m, h: m(h)),
+    "LayerNormMLP": (lambda: splitgrad.LayerNormMLP(D, 2 * D, device="cpu", delay_wgrad_compute=True, name="doomed"),
+                     lambda m, h: m(h)),
+    "GroupedLinear-tied": (_doomed_grouped, lambda m, h: m(h, [2, 1, 0, 3])),
+}
+
+
+@pytest.mark.parametrize("kind", list(DOOMED))
+def test_layer_deleted_between_forward_and_backward(kind):
+    """A delayed layer that is garbage before its backward pass, its parameters still alive (held
+    by an optimizer, say): nothing could run deferred work of it later, so its backward computes
+    and adds its weight gradients at once, as the regular path (main_grad included) and nn.Linear
+    do. Every gradient equals plain autograd's bit for bit, without a warning; nothing of it is
+    queued, and its parameters' grad-ready hooks fire for that pass."""
+    build, apply = DOOMED[kind]
     model = nn.Sequential(linear(True, name="kept"), nn.Tanh())
-    reference = to_reference(model)
-    doomed = linear(True, name="doomed")
-    doomed_ref = to_reference(doomed)
+    doomed = build()
+    if kind == "Linear-fused":
+        for p in doomed.parameters():
+            p.main_grad = torch.randn(p.shape)  # added to, as the .grad of the reference
+    reference, doomed_ref = to_reference(model), to_reference(doomed)
+    params = dict(doomed.named_parameters())
     fired = []
-    splitgrad.register_grad_ready_hook(doomed.weight, fired.append)
-    weight = doomed.weight
-    x = torch.randn(3, D, requires_grad=True)
+    for name, p in params.items():
+        splitgrad.register_grad_ready_hook(p, lambda _, name=name: fired.append(name))
+    x = torch.randn(6, D, requires_grad=True)
     x_ref = x.detach().clone().requires_grad_()
-    gy = torch.randn(3, D)
-    y = doomed(model(x))
-    y_ref = doomed_ref(reference(x_ref))
+    gy = torch.randn(6, D)
+    y = apply(doomed, model(x))
+    y_ref = apply(doomed_ref, reference(x_ref))
     del doomed
     gc.collect()
-    with pytest.warns(UserWarning, match="deleted before its backward pass"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         y.backward(gy)
     y_ref.backward(gy)
     assert splitgrad.pending_wgrads() == 1  # the kept layer's work only
+    assert sorted(fired) == sorted(params)
     model[0].backward_dw()
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=0, atol=0)
     assert_grads_match(model, reference, exact=True)
-    assert weight.grad is None and fired == []
+    for name, p in params.items():
+        got = p.main_grad if kind == "Linear-fused" else p.grad
+        want = dict(doomed_ref.named_parameters())[name].grad
+        assert got is not None, name
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
+        if kind == "Linear-fused":
+            assert p.grad is None, name
+
+
+def test_layer_deleted_with_work_queued_keeps_dropping_it():
+    """Work already queued when its layer is deleted cannot land anywhere it was asked to go later:
+    its stash is freed and it is reported (a PendingWgradWarning naming the layer; the parameters'
+    hooks skip that pass), as before."""
+    doomed = linear(True, name="doomed")
+    weight = doomed.weight
+    fired = []
+    splitgrad.register_grad_ready_hook(weight, fired.append)
+    doomed(torch.randn(3, D)).sum().backward()
+    with pytest.warns(splitgrad.PendingWgradWarning, match="'doomed' was deleted with 1 deferred"):
+        del doomed
+        gc.collect()
+    assert splitgrad.pending_wgrads() == 0 and weight.grad is None and fired == []
+    assert splitgrad._C.dropped_wgrads_for(weight) == 1

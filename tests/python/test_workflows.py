@@ -504,13 +504,21 @@ def test_copies_get_their_own_default_name():
     assert copy.deepcopy(named).name == "fc"  # a chosen name is kept
 
 
-def test_layer_deleted_before_backward_is_reported_by_name():
+def test_layer_deleted_before_backward_still_delivers_its_gradients():
+    """As nn.Linear's: a delayed layer gone before its backward adds its gradients at once to the
+    parameters that outlive it (nothing could run deferred work later), without a warning."""
     model = layer(True, name="fc")
-    y = model(torch.randn(2, D)).sum()
+    weight, bias = model.weight, model.bias
+    x = torch.randn(2, D)
+    y = model(x).sum()
     del model
     gc.collect()
-    with pytest.warns(UserWarning, match="splitgrad layer 'fc' was deleted before its backward"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         y.backward()
+    assert splitgrad.pending_wgrads() == 0
+    torch.testing.assert_close(weight.grad, torch.ones(2, D).t() @ x, rtol=0, atol=0)
+    torch.testing.assert_close(bias.grad, torch.full((D,), 2.0), rtol=0, atol=0)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
