@@ -994,7 +994,9 @@ void LayerHandle::backward_dw() {
   TORCH_CHECK(!items.empty(), detail::layer_label(id_),
               ": backward_dw() was called but no backward pass has queued deferred wgrad work for "
               "this layer (run a backward pass through it first, or check that it was built with "
-              "delay_wgrad_compute=True)");
+              "delay_wgrad_compute=True). A backward that needs none of its weight gradients "
+              "(frozen parameters, autograd.grad, backward(inputs=...)) or computes them at once "
+              "(create_graph=True) queues nothing.");
   run(std::move(items), batch.id, OnStale::kDropAll);
 }
 

@@ -24,6 +24,18 @@ def linear(delay=True, **kw):
 # ------------------------------------------------------------------------------------------------
 
 
+def test_backward_dw_after_a_pass_that_deferred_nothing_says_why():
+    """Frozen parameters (LoRA-style fine-tuning) leave a delayed layer nothing to defer: the
+    gradients of the pass are complete at once, and backward_dw() says why nothing is pending."""
+    layer = linear(True, name="frozen.fc")
+    layer.requires_grad_(False)
+    x = torch.randn(3, D, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and splitgrad.pending_wgrads() == 0
+    with pytest.raises(RuntimeError, match=r"'frozen\.fc'.*no backward pass has queued.*frozen parameters"):
+        layer.backward_dw()
+
+
 def test_backward_dw_with_nothing_pending_names_the_layer():
     layer = linear(True, name="encoder.fc1")
     with pytest.raises(RuntimeError, match=r"'encoder\.fc1'.*no backward pass has queued"):

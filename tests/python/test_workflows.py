@@ -339,7 +339,7 @@ def test_jit_trace_records_a_regular_unregistered_call():
     x = torch.randn(3, D)
     traced = torch.jit.trace(model, (x,))
     calls = [n for n in traced.inlined_graph.nodes() if n.kind() == "splitgrad::linear"]
-    assert len(calls) == 1 and [i.toIValue() for i in list(calls[0].inputs())[5:]] == [0, False, None, False]
+    assert len(calls) == 1 and [i.toIValue() for i in list(calls[0].inputs())[5:]] == [0, False, None, False, None]
     traced(x).pow(2).sum().backward()
     ref(x).pow(2).sum().backward()
     assert splitgrad.pending_wgrads() == 0
