@@ -144,6 +144,11 @@ class GradReadyHookHandle {
 /// \return the handle that removes the hook
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook);
 
+/// Inside a grad-ready hook: the id of the backward pass whose gradient it reports complete (the
+/// ids LayerHandle::pending_passes() lists); nullopt elsewhere. Lets a hook of several parameters
+/// tell which of their events belong to one pass.
+std::optional<int64_t> grad_ready_pass();
+
 namespace detail {
 /// The hooks a module registered with register_wgrad_accumulation_and_reduce_hooks(), kept so that
 /// they follow its parameters when one is re-tied (tie_weight), as the Python modules' do. A copy

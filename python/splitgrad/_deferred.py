@@ -199,9 +199,12 @@ def _install_guards() -> None:
     torch.nn.Module.zero_grad = guarded_module_zero_grad
 
     # Clipping reads the gradients as they are: before backward_dw() it clips partial gradients,
-    # and the deferred parts land unclipped afterwards.
-    for name in ("clip_grad_norm_", "clip_grad_value_"):
-        clip = getattr(torch.nn.utils.clip_grad, name)
+    # and the deferred parts land unclipped afterwards. (A name imported from torch before splitgrad
+    # keeps the unguarded function.)
+    for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"):
+        clip = getattr(torch.nn.utils, name, None)
+        if clip is None:
+            continue
 
         @functools.wraps(clip)
         def guarded_clip(*args, _clip=clip, _name=name, **kwargs):
@@ -215,8 +218,9 @@ def _install_guards() -> None:
                 check_no_pending(f"torch.nn.utils.{_name}()", params)
             return _clip(*args, **kwargs)
 
-        setattr(torch.nn.utils.clip_grad, name, guarded_clip)
         setattr(torch.nn.utils, name, guarded_clip)
+        if hasattr(torch.nn.utils.clip_grad, name):
+            setattr(torch.nn.utils.clip_grad, name, guarded_clip)
 
 
 _install_guards()

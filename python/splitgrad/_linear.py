@@ -225,6 +225,8 @@ class _DeferredWgradModule(nn.Module):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
+        if self._reduce_hooks:
+            self._refresh_reduce_hooks()
         if self.delay_wgrad_compute and DistributedDataParallel._active_ddp_module is not None:
             self._check_not_reduced_by_ddp(DistributedDataParallel._active_ddp_module)
 
@@ -380,13 +382,22 @@ class _DeferredWgradModule(nn.Module):
         for handle in self._reduce_hook_handles:
             handle.remove()
         self._reduce_hook_handles = []
-        params = [p for p in self._own_parameters() if p.requires_grad]
+        own = self._own_parameters()
+        self._reduce_hook_flags = tuple(p.requires_grad for p in own)
+        params = [p for p in own if p.requires_grad]
+        pass_hooks = self.__dict__.setdefault("_pass_hooks", {})
         for hook in self._reduce_hooks:
             if _takes_the_parameter(hook):
                 self._reduce_hook_handles += [_SharedParamHook.register(p, hook, self) for p in params]
             else:
-                call = _ModulePassHook(hook, params)
+                call = pass_hooks.get(id(hook)) or pass_hooks.setdefault(id(hook), _ModulePassHook(hook))
+                call.watch(params)
                 self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
+
+    def _refresh_reduce_hooks(self) -> None:
+        """A parameter frozen or unfrozen since the hooks were installed: hooks go where grads do."""
+        if self._reduce_hooks and tuple(p.requires_grad for p in self._own_parameters()) != self._reduce_hook_flags:
+            self._install_reduce_hooks()
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -400,6 +411,7 @@ class _DeferredWgradModule(nn.Module):
         # the hook handles belong to this module's parameters: a copy installs its own (__setstate__)
         state = self.__dict__.copy()
         state["_reduce_hook_handles"] = []
+        state["_pass_hooks"] = {}
         return state
 
     def __setstate__(self, state):
@@ -611,23 +623,34 @@ class _SharedParamHook:
 
 
 class _ModulePassHook:
-    """Calls a TE-style ``hook()`` once per backward pass of a module: the k-th call once each of the
-    module's parameters has had its k-th gradient-ready event (so the hook sees every gradient of
-    the module complete, in whatever order tied parameters and micro-batches finish)."""
+    """Calls a TE-style ``hook()`` once per backward pass of a module: when each parameter of the
+    module that requires grad has had its gradient-ready event of that pass. Events are told apart
+    by pass (``_C.grad_ready_pass()``), so those of a tied parameter's passes that did not run the
+    module complete none. Kept across re-installs (re-tying), so a pass under way is not lost."""
 
-    def __init__(self, hook: Callable, params: list[torch.Tensor]) -> None:
+    _KEEP = 64  # incomplete passes remembered (a tied parameter's passes that skipped the module)
+
+    def __init__(self, hook: Callable) -> None:
         self._hook = hook
-        self._ready = {id(p): 0 for p in params}
-        self._calls = 0
+        self._params: list[torch.Tensor] = []
+        self._passes: dict[int | None, set[int]] = {}  # pass id -> ids of the parameters ready
         self._lock = threading.Lock()
 
-    def __call__(self, param: torch.Tensor) -> None:
+    def watch(self, params: list[torch.Tensor]) -> None:
         with self._lock:
-            self._ready[id(param)] += 1
-            due = min(self._ready.values()) - self._calls
-            self._calls += due
-        for _ in range(due):
-            self._hook()
+            self._params = list(params)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        pass_id = _C.grad_ready_pass()
+        with self._lock:
+            ready = self._passes.setdefault(pass_id, set())
+            ready.add(id(param))
+            if not all(id(p) in ready for p in self._params if p.requires_grad):
+                while len(self._passes) > self._KEEP:
+                    del self._passes[next(iter(self._passes))]
+                return
+            del self._passes[pass_id]
+        self._hook()
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:

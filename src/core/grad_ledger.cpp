@@ -199,9 +199,10 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
   ParamState& state = it->second;
   if (!ps->second.autograd_done || ps->second.owed > 0) return;
   const bool complete = !ps->second.incomplete;
+  const PassId ps_pass = ps->first;
   state.passes.erase(ps);
   if (complete && !state.hooks.empty()) {
-    Firing firing{state.impl, {}};
+    Firing firing{state.impl, ps_pass, {}};
     firing.hooks.reserve(state.hooks.size());
     for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
     out.push_back(std::move(firing));
@@ -209,13 +210,21 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
   if (state.passes.empty() && state.hooks.empty() && state.dropped == 0) params_.erase(it);
 }
 
+namespace {
+thread_local std::optional<PassId> current_firing_pass;
+}  // namespace
+
+std::optional<PassId> GradLedger::firing_pass() { return current_firing_pass; }
+
 void GradLedger::fire(std::vector<Firing>& firings) {
   // Every hook runs even if an earlier one throws: the passes are settled already, so a hook
   // skipped now would never run for them. The first exception is rethrown once all have run.
   std::exception_ptr first_error;
+  const std::optional<PassId> outer = current_firing_pass;  // a hook may fire others (nested)
   for (auto& firing : firings) {
     const at::Tensor param(firing.param.lock());
     if (!param.defined()) continue;  // freed since it settled: nothing to report on
+    current_firing_pass = firing.pass;
     for (auto& hook : firing.hooks) {
       try {
         hook(param);
@@ -224,6 +233,7 @@ void GradLedger::fire(std::vector<Firing>& firings) {
       }
     }
   }
+  current_firing_pass = outer;
   if (first_error) std::rethrow_exception(first_error);
 }
 

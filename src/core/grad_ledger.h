@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -48,6 +49,9 @@ class GradLedger {
 
   /// Starts tracking `pass`; returns true if this call started it (the caller then arranges for
   /// autograd_pass_finished() to be called when the pass's graph task ends).
+  /// Inside a hook this ledger is running: the backward pass whose completion it reports; else
+  /// nullopt (per thread).
+  static std::optional<PassId> firing_pass();
   bool open_pass(PassId pass);
   /// Pass `pass` made (or will have made, by its end) an autograd contribution to `param`.
   void note_autograd_contribution(const at::Tensor& param, PassId pass);
@@ -96,6 +100,7 @@ class GradLedger {
   // first C++ reference beside the Python one), the reverse of a Python caller's order.
   struct Firing {
     WeakTensor param;
+    PassId pass;
     std::vector<GradReadyHook> hooks;
   };
 

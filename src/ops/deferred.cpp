@@ -206,7 +206,8 @@ std::vector<at::Tensor> main_grads_for_backward(const std::vector<at::Tensor>& p
   return buffers;
 }
 
-void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered) {
+void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered,
+                     const std::string& gemm) {
   std::vector<at::Tensor> params;
   params.reserve(2 * sinks.size());
   for (const WgradSinks& sink : sinks) {
@@ -217,7 +218,11 @@ void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered) {
   TORCH_INTERNAL_ASSERT(buffers.size() == params.size(), "the main_grad source returned ",
                         buffers.size(), " tensors for ", params.size(), " parameters");
   for (size_t i = 0; i < sinks.size(); ++i) {
-    auto name = [&](const char* kind) { return numbered ? c10::str(kind, i) : std::string(kind); };
+    auto name = [&](const char* kind) {
+      return numbered       ? c10::str(kind, i)
+             : gemm.empty() ? std::string(kind)
+                            : c10::str(gemm, "_", kind);
+    };
     if (sinks[i].weight.defined()) {
       check_main_grad(who, name("weight"), buffers[2 * i], sinks[i].weight);
       sinks[i].weight_main_grad = buffers[2 * i];
@@ -1087,6 +1092,8 @@ struct GradReadyHookHandle::State {
   uint64_t ledger_key;
   unsigned tensor_hook;
 };
+
+std::optional<int64_t> grad_ready_pass() { return GradLedger::firing_pass(); }
 
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook) {
   TORCH_CHECK_VALUE(param.defined(),

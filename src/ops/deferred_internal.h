@@ -124,8 +124,10 @@ void set_main_grad_source(MainGradSource source);
 
 /// lazy_main_grad's backward: gives each sink's weight and bias their main_grads from
 /// main_grads_for_backward(), checked with check_main_grad(): the weight's is required, a bias
-/// without one keeps its gradient in .grad. `numbered`: the sinks are groups ("weight3").
-void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered);
+/// without one keeps its gradient in .grad. `numbered`: the sinks are groups ("weight3"); `gemm`:
+/// the GEMM of a module with several, whose parameters are named after it ("fc2_weight").
+void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered,
+                     const std::string& gemm = std::string());
 
 /// A scope for taking or dropping many tensor references at once. PyTorch takes the GIL whenever
 /// a C++ reference to a tensor with a Python object (a parameter, its main_grad) is added beside

@@ -170,7 +170,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     std::vector<WgradSinks> sinks{
         {weight_sink ? weight_param : at::Tensor(), bias_sink ? bias : at::Tensor(),
          weight_sink ? weight_main_grad : at::Tensor(), bias_sink ? bias_main_grad : at::Tensor()}};
-    if (lazy_main_grad && (weight_sink || bias_sink)) read_main_grads(who, sinks, false);
+    if (lazy_main_grad && (weight_sink || bias_sink)) read_main_grads(who, sinks, false, gemm);
     const bool fused = sinks[0].weight_main_grad.defined() || sinks[0].bias_main_grad.defined();
     if (!delay && !fused) {  // the regular path: autograd accumulates, exactly as for nn.Linear
       auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, gemm_input(), bias_wanted);

@@ -231,4 +231,6 @@ PYBIND11_MODULE(_C, m) {
         END_HANDLE_TH_ERRORS_PYBIND
       },
       py::arg("param"), py::arg("hook"));
+  m.def("grad_ready_pass", &splitgrad::grad_ready_pass,
+        "Inside a grad-ready hook, the id of the backward pass it reports on; else None.");
 }

@@ -280,6 +280,76 @@ def test_te_style_hook_once_per_pass_of_a_module_with_tied_parameters_in_any_ord
     torch.testing.assert_close(seen[-1][1], reference[0].bias.grad, rtol=0, atol=0)
 
 
+def test_te_style_hook_counts_only_passes_that_ran_the_module():
+    """A regular layer M whose weight is tied to a delayed layer N: a pass that runs only N makes
+    M's weight ready but is no pass of M; M's no-argument hook fires once, for the pass that ran
+    both, after N's deferred contribution of that pass has landed."""
+    m, n = linear(False, name="m"), linear(True, name="n")
+    n.weight = m.weight
+    calls = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(splitgrad.pending_wgrads()))
+    x = torch.randn(4, D)
+    n(x).sum().backward()  # a pass of n only
+    n.backward_dw()
+    assert calls == []
+    n(m(x)).sum().backward()  # a pass of both: m's bias is ready now, the tied weight is not
+    assert calls == []
+    n.backward_dw()
+    assert calls == [0], "once, when nothing is owed any more"
+
+
+def test_te_style_hook_keeps_a_pass_under_way_across_re_tying():
+    layer = splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=True)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(layer.weight.grad.clone()))
+    x = torch.randn(4, D)
+    layer(x).sum().backward()  # the norm's gradients are ready now, the GEMM's not
+    layer.weight = layer.weight  # re-installs the hooks mid-pass
+    layer.backward_dw()
+    assert len(calls) == 1
+    layer(x).sum().backward()
+    layer.backward_dw()
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_reduce_hooks_follow_freezing_and_unfreezing(delay):
+    layer = linear(delay)
+    no_argument, per_param = [], []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: no_argument.append(1))
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda p: per_param.append(id(p)))
+    x = torch.randn(4, D)
+
+    def step():
+        layer(x).sum().backward()
+        if delay:
+            layer.backward_dw()
+
+    step()
+    layer.bias.requires_grad_(False)  # frozen after registration: the hooks stop waiting for it
+    step()
+    step()
+    assert len(no_argument) == 3
+    assert per_param.count(id(layer.bias)) == 1 and per_param.count(id(layer.weight)) == 3
+    layer.bias.requires_grad_(True)  # unfrozen: its hook is back from the next forward
+    step()
+    assert len(no_argument) == 4 and per_param.count(id(layer.bias)) == 2
+
+
+def test_grad_ready_pass_tells_the_pass_a_hook_reports():
+    layer = linear(True)
+    seen = []
+    splitgrad.register_grad_ready_hook(layer.weight, lambda p: seen.append(splitgrad._C.grad_ready_pass()))
+    assert splitgrad._C.grad_ready_pass() is None
+    x = torch.randn(4, D)
+    layer(x).sum().backward()
+    layer(x).sum().backward()
+    passes = layer._layer.pending_passes()
+    layer.backward_dw()
+    layer.backward_dw()
+    assert seen == passes and len(set(passes)) == 2
+
+
 def test_reduce_hook_registered_on_modules_sharing_a_parameter_runs_once_for_it():
     """A reducer registered on every module (as a data-parallel wrapper does) must reduce a tied
     weight once per pass, not once per module holding it."""

@@ -145,6 +145,8 @@ ACTIONS = {
     "clip_grad_norm_": lambda model, opt: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9),
     "clip_grad_value_": lambda model, opt: torch.nn.utils.clip_grad_value_(parameters=model.parameters(),
                                                                            clip_value=1e9),
+    "clip_grads_with_norm_": lambda model, opt: torch.nn.utils.clip_grads_with_norm_(
+        list(model.parameters()), 1e9, torch.tensor(1.0)),
 }
 
 
