@@ -13,6 +13,7 @@ from . import _C  # registers torch.ops.splitgrad.* and the deferred-wgrad store
 from ._deferred import (
     backward_dw_all,
     get_pending_work_policy,
+    grad_ready_pass,
     layers_with_pending_wgrads,
     pending_wgrads,
     register_grad_ready_hook,
@@ -51,6 +52,7 @@ __all__ = [
     "pending_wgrads",
     "layers_with_pending_wgrads",
     "register_grad_ready_hook",
+    "grad_ready_pass",
     "set_pending_work_policy",
     "get_pending_work_policy",
     "name_layers",

@@ -123,6 +123,13 @@ def register_grad_ready_hook(param: torch.Tensor, fn: Callable[[torch.Tensor], N
     return GradReadyHookHandle(param, key, _C.register_grad_ready_hook(param, functools.partial(_run_grad_ready_hook, key)))
 
 
+def grad_ready_pass() -> int | None:
+    """Inside a grad-ready hook: the id of the backward pass whose gradient it reports complete
+    (the ids ``layer._layer.pending_passes()`` lists); ``None`` elsewhere. A hook watching several
+    parameters tells with it which of their events belong to one pass."""
+    return _C.grad_ready_pass()
+
+
 _POLICIES = ("warn", "error")
 _policy = "warn"
 

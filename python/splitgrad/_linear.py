@@ -18,7 +18,7 @@ from torch._C._functorch import get_unwrapped, is_functorch_wrapped_tensor, peek
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _C
-from ._deferred import check_no_pending, register_grad_ready_hook
+from ._deferred import check_no_pending, grad_ready_pass, register_grad_ready_hook
 from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarning
 
 __all__ = ["Linear", "name_layers"]
@@ -641,7 +641,7 @@ class _ModulePassHook:
             self._params = list(params)
 
     def __call__(self, param: torch.Tensor) -> None:
-        pass_id = _C.grad_ready_pass()
+        pass_id = grad_ready_pass()
         with self._lock:
             ready = self._passes.setdefault(pass_id, set())
             ready.add(id(param))

@@ -339,8 +339,8 @@ def test_reduce_hooks_follow_freezing_and_unfreezing(delay):
 def test_grad_ready_pass_tells_the_pass_a_hook_reports():
     layer = linear(True)
     seen = []
-    splitgrad.register_grad_ready_hook(layer.weight, lambda p: seen.append(splitgrad._C.grad_ready_pass()))
-    assert splitgrad._C.grad_ready_pass() is None
+    splitgrad.register_grad_ready_hook(layer.weight, lambda p: seen.append(splitgrad.grad_ready_pass()))
+    assert splitgrad.grad_ready_pass() is None
     x = torch.randn(4, D)
     layer(x).sum().backward()
     layer(x).sum().backward()
