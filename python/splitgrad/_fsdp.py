@@ -107,7 +107,8 @@ class _DeferredGroup:
                 self.group.reshard()
             self.deferred = True
             with _lock:
-                bisect.insort(_held, self, key=lambda g: g.launch_rank)
+                if self not in _held:  # still held from a step whose work is pending: once
+                    bisect.insort(_held, self, key=lambda g: g.launch_rank)
             return
         reduces = self.group.reduce_grads and self._has_unsharded_grads()
         self.original_post_backward(*unused)
