@@ -153,6 +153,19 @@ def assert_params_match(model, reference, what):
                                    msg=lambda m: f"{what}: {name}: {m}")
 
 
+def step_both(model, reference, optimizer, ref_optimizer, data, step):
+    """The end of a training step for the sharded model and its plain-autograd twin: sharded
+    gradients equal the reference's over all ranks' data, then an SGD step each (the sharded one
+    waits for the reductions: finish_fsdp_reductions) and equal parameters, then zero_grad."""
+    reference_grads(reference, data)
+    assert_sharded_grads_match(model, reference, f"step {step}")
+    optimizer.step()
+    ref_optimizer.step()
+    assert_params_match(model, reference, f"after step {step}")
+    optimizer.zero_grad()
+    ref_optimizer.zero_grad()
+
+
 EXPECTED_UNITS = {  # the units' delayed layers, as logged
     "blocks.0.fc1, blocks.0.fc2", "blocks.1.fc1, blocks.1.fc2", "head",
 }
@@ -181,13 +194,7 @@ def case_one_step(rank, world, tied_block=False, reshard_after_forward=True, ste
             first_layer = unit.split(", ")[0]
             assert action == f"W {first_layer}", (unit, action)  # reversed order: the first is last
         assert [u for u, _, _ in tracker.during][0] == "head", tracker.during
-        reference_grads(reference, data)
-        assert_sharded_grads_match(model, reference, f"step {step}")
-        optimizer.step()  # waits for the reductions (finish_fsdp_reductions)
-        ref_optimizer.step()
-        assert_params_match(model, reference, f"after step {step}")
-        optimizer.zero_grad()
-        ref_optimizer.zero_grad()
+        step_both(model, reference, optimizer, ref_optimizer, data, step)
 
 
 def case_rank_dependent_w_order(rank, world):
@@ -213,13 +220,7 @@ def case_rank_dependent_w_order(rank, world):
         dist.all_gather_object(everyone, launched)
         assert all(order == launched for order in everyone), everyone
         assert sorted(launched) == sorted(EXPECTED_UNITS | {"tied.a, tied.b"}), launched
-        reference_grads(reference, data)
-        assert_sharded_grads_match(model, reference, f"step {step}")
-        optimizer.step()
-        ref_optimizer.step()
-        assert_params_match(model, reference, f"after step {step}")
-        optimizer.zero_grad()
-        ref_optimizer.zero_grad()
+        step_both(model, reference, optimizer, ref_optimizer, data, step)
 
 
 def case_micro_batches(rank, world):
@@ -379,13 +380,7 @@ def case_pending_work_checks(rank, world):
                 else:
                     raise AssertionError(f"{what} under fully_shard did not raise for pending work")
             forgotten.backward_dw()
-            reference_grads(reference, data)
-            assert_sharded_grads_match(model, reference, f"step {step}")
-            optimizer.step()
-            ref_optimizer.step()
-            assert_params_match(model, reference, f"after step {step}")
-            optimizer.zero_grad()
-            ref_optimizer.zero_grad()
+            step_both(model, reference, optimizer, ref_optimizer, data, step)
     finally:
         splitgrad.set_pending_work_policy("warn")
 
