@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (no network): build splitgrad from the source tree with its own CMake, against
 # the machine's PyTorch, into a private site folder; then run what is asked. Wheels for test-only
-# packages the machine may lack can be carried in .whl/ (see BENCHMARKS.md).
+# packages the machine may lack can be carried in .whl/ (see BENCHMARKS.md): hypothesis with its
+# dependencies for the tests, and nvidia-cutlass, whose headers the SM90 grouped GEMMs are built from.
 #   bash scripts/gpu_run.sh build                  (SPLITGRAD_CMAKE_ARGS: more -D options)
 #   bash scripts/gpu_run.sh pytest [pytest args...]
 #   bash scripts/gpu_run.sh python FILE [args...]
@@ -44,6 +45,14 @@ case "${1:-build}" in
     cmake --install build/gpu --prefix "$site" >> build-gpu.log 2>&1
     cp python/splitgrad/*.py "$site/splitgrad/"
     grep -E "splitgrad:" build-gpu.log || true
+    # On Hopper a build without CUTLASS's headers loops over the experts and reads device splits on
+    # the host: the grouped tests and benchmarks would measure the wrong thing. The machine has no
+    # network: carry nvidia-cutlass's wheel (pip download --no-deps nvidia-cutlass==4.2.0.0) in .whl/.
+    if python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) else 1)" &&
+       ! grep -q "building the SM90 grouped GEMMs" build-gpu.log; then
+      echo "built without the SM90 grouped GEMMs on a Hopper GPU: put nvidia-cutlass's wheel in .whl/ (see above)"
+      exit 1
+    fi
     python3 -c "import splitgrad, torch; print('splitgrad', splitgrad.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())"
     ;;
   pytest) shift; python3 -m pytest "$@" ;;

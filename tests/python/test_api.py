@@ -426,9 +426,9 @@ def test_items_of_a_deleted_layer_are_freed_without_holding_a_splitgrad_lock():
         import threading, torch, splitgrad
         done, errors, kept = threading.Event(), [], []
         def one_round():
-            a = splitgrad.Linear(16, 16, bias=False, delay_wgrad_compute=True)
+            a = splitgrad.Linear(16, 16, bias=False, delay_wgrad_compute=True, device="cpu")
             holder = {"b": splitgrad.Linear(16, 16, bias=False, delay_wgrad_compute=True,
-                                            fuse_wgrad_accumulation=True)}
+                                            fuse_wgrad_accumulation=True, device="cpu")}
             weight = holder["b"].weight
             weight.main_grad = torch.zeros(16, 16)
             def hook(param):
