@@ -3,7 +3,6 @@ deferred weight gradients that equal per-expert plain autograd's."""
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Callable, Sequence
 
@@ -18,6 +17,8 @@ from ._linear import (
     _DeferredWgradModule,
     _factory,
     _refuse_unsupported,
+    _reset_linear,
+    _take_tensor_parallel_keywords,
     _typed_errors,
 )
 
@@ -87,6 +88,7 @@ class GroupedLinear(_DeferredWgradModule):
         **te_keywords,
     ) -> None:
         super().__init__()
+        self.__dict__.update(_take_tensor_parallel_keywords("GroupedLinear", te_keywords))
         _refuse_unsupported("GroupedLinear", te_keywords, _GROUPED_TE_DEFAULTS)
         num_gemms, in_features, out_features = _check_sizes(
             "GroupedLinear", num_gemms=num_gemms, in_features=in_features, out_features=out_features)
@@ -99,9 +101,8 @@ class GroupedLinear(_DeferredWgradModule):
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         factory = _factory(device, params_dtype)
-        for i in range(num_gemms):
+        for i in range(num_gemms):  # te.GroupedLinear's order: weight0, bias0, weight1, ...
             self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
-        for i in range(num_gemms):
             # without bias, bias{i} is None (nn.Linear's way): getattr works, no parameter is listed
             self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)) if bias else None)
         self._register(name)
@@ -124,16 +125,11 @@ class GroupedLinear(_DeferredWgradModule):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
-        """Each expert as nn.Linear (or ``init_method(weight_i)``)."""
-        with torch.no_grad():
-            for weight in self.weights:
-                if init_method is not None:
-                    init_method(weight)
-                else:
-                    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-            bound = 1.0 / math.sqrt(self.in_features)
-            for bias in self.biases:
-                nn.init.uniform_(bias, -bound, bound)
+        """Each expert as nn.Linear (or ``init_method(weight_i)``), expert by expert."""
+        biases = self.biases or [None] * self.num_gemms
+        with self._init_rng():
+            for weight, bias in zip(self.weights, biases):
+                _reset_linear(weight, bias, init_method)
 
     def _splits_tensor(self, m_splits) -> torch.Tensor:
         """m_splits as the op takes it: an int64 tensor. A list of ints or an integer numpy array

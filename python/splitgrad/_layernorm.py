@@ -19,7 +19,9 @@ from ._linear import (
     _check_sizes,
     _DeferredWgradModule,
     _factory,
+    _refuse_fp8,
     _refuse_unsupported,
+    _take_tensor_parallel_keywords,
     _reset_linear,
     _typed_errors,
 )
@@ -40,11 +42,10 @@ _TE_NORM_DEFAULTS = {
 }
 _TE_LAYERNORM_LINEAR_DEFAULTS = {**_TE_NORM_DEFAULTS, "parameters_split": None}
 _TE_LAYERNORM_MLP_DEFAULTS = {
-    **{k: v for k, v in _TE_NORM_DEFAULTS.items() if k != "parallel_mode"},
+    **_TE_NORM_DEFAULTS,
     "activation_params": None,
     "seq_length": None,
     "micro_batch_size": None,
-    "set_parallel_mode": False,
     "checkpoint": False,
 }
 
@@ -170,6 +171,7 @@ class LayerNormLinear(_NormedModule):
         **te_keywords,
     ) -> None:
         super().__init__()
+        self.__dict__.update(_take_tensor_parallel_keywords("LayerNormLinear", te_keywords))
         _refuse_unsupported("LayerNormLinear", te_keywords, _TE_LAYERNORM_LINEAR_DEFAULTS)
         in_features, out_features = _check_sizes("LayerNormLinear", in_features=in_features,
                                                  out_features=out_features)
@@ -195,12 +197,16 @@ class LayerNormLinear(_NormedModule):
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         self._reset_norm()
-        _reset_linear(self.weight, self.bias, init_method)
+        with self._init_rng():
+            _reset_linear(self.weight, self.bias, init_method)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
         """``norm(inp)·Wᵀ + b`` for ``inp`` of shape [*, in_features]; with
         return_layernorm_output, ``(out, norm(inp))``; with return_bias, ``(out, bias[, ln_out])``
-        as te.LayerNormLinear returns them. ``is_first_microbatch`` does not change the gradients."""
+        as te.LayerNormLinear returns them. ``is_first_microbatch`` does not change the gradients;
+        ``fp8_output`` / ``fp8_grad`` (te.LayerNormLinear's) are accepted off."""
+        _refuse_fp8(self.name, fp8_output, fp8_grad)
         self._check_forward_args(inp, is_first_microbatch)
         path = self._linear_path(inp)
         # Each parameter read once per forward, as nn.Linear does (a parametrization runs once).
@@ -259,6 +265,7 @@ class LayerNormMLP(_NormedModule):
         **te_keywords,
     ) -> None:
         super().__init__()
+        self.__dict__.update(_take_tensor_parallel_keywords("LayerNormMLP", te_keywords))
         _refuse_unsupported("LayerNormMLP", te_keywords, _TE_LAYERNORM_MLP_DEFAULTS)
         hidden_size, ffn_hidden_size = _check_sizes("LayerNormMLP", hidden_size=hidden_size,
                                                     ffn_hidden_size=ffn_hidden_size)
@@ -292,8 +299,9 @@ class LayerNormMLP(_NormedModule):
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None,
                          output_layer_init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         self._reset_norm()
-        _reset_linear(self.fc1_weight, self.fc1_bias, init_method)
-        _reset_linear(self.fc2_weight, self.fc2_bias, output_layer_init_method)
+        with self._init_rng():
+            _reset_linear(self.fc1_weight, self.fc1_bias, init_method)
+            _reset_linear(self.fc2_weight, self.fc2_bias, output_layer_init_method)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """``fc2(act(fc1(norm(inp))))`` for ``inp`` of shape [*, hidden_size]; with

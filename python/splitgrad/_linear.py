@@ -25,13 +25,8 @@ __all__ = ["Linear", "name_layers"]
 
 
 # te.Linear keywords whose default means "the feature is off", which splitgrad accepts at that value.
+# (The tensor-parallel ones are taken by _take_tensor_parallel_keywords first.)
 _TE_DEFAULTS = {
-    "sequence_parallel": False,
-    "tp_group": None,
-    "tp_size": 1,
-    "parallel_mode": None,
-    "get_rng_state_tracker": None,
-    "rng_tracker_name": None,
     "ub_overlap_rs": False,
     "ub_overlap_ag": False,
     "ub_name": None,
@@ -121,6 +116,13 @@ def _main_grad_at_backward_only(param: torch.Tensor) -> bool:
     return hasattr(param, "__fsdp_param__") and hasattr(param, "get_main_grad")
 
 
+def _refuse_fp8(name: str, fp8_output, fp8_grad) -> None:
+    """te.Linear's / te.LayerNormLinear's forward keywords, accepted off."""
+    if fp8_output or fp8_grad:
+        raise ArgumentError(f"splitgrad layer '{name}': FP8 is not supported: expected fp8_output=False and "
+                            f"fp8_grad=False, got fp8_output={fp8_output!r}, fp8_grad={fp8_grad!r}")
+
+
 def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
     """TE keywords for features splitgrad does not have are accepted at their defaults only (so TE
     code that spells them out runs); anything else is refused by name."""
@@ -130,6 +132,50 @@ def _refuse_unsupported(module: str, te_keywords: dict, defaults: dict) -> None:
             f"splitgrad.{module} got keyword argument(s) it does not support: {unsupported} "
             f"(te.{module} keywords accepted only at their defaults: {sorted(defaults)})"
         )
+
+
+_PARALLEL_MODES = (None, "column", "row")
+
+
+def _take_tensor_parallel_keywords(module: str, te_keywords: dict) -> dict:
+    """Takes TE's tensor-parallel keywords out of ``te_keywords``. They are accepted where they
+    describe one rank, as Megatron's TE layers pass them at tensor-parallel size 1: a
+    parallel_mode, a tp_group of one rank, an RNG tracker to initialise the weights under. Tensor or
+    sequence parallelism itself is refused, as other TE features splitgrad lacks are (TypeError).
+    Returns the module's TE attributes: parallel_mode, sequence_parallel, tp_size,
+    get_rng_state_tracker, rng_tracker_name."""
+    tp_group = te_keywords.pop("tp_group", None)
+    tp_size = te_keywords.pop("tp_size", 1)
+    if tp_group is not None:
+        if not torch.distributed.is_initialized():
+            raise TypeError(f"splitgrad.{module}: got a tp_group but torch.distributed is not initialized")
+        tp_size = torch.distributed.get_world_size(tp_group)
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size != 1:
+        raise TypeError(
+            f"splitgrad.{module}: tensor parallelism is not supported: expected tp_size=1 (or a "
+            f"tp_group of one rank), got {'a tp_group of ' if tp_group is not None else 'tp_size='}{tp_size!r}")
+    if te_keywords.pop("sequence_parallel", False) is not False:
+        raise TypeError(f"splitgrad.{module}: sequence parallelism is not supported: expected "
+                        "sequence_parallel=False")
+    # te.LayerNormMLP has set_parallel_mode (a bool) where the others have parallel_mode.
+    if module == "LayerNormMLP":
+        parallel_mode = None
+        if not isinstance(te_keywords.pop("set_parallel_mode", False), bool):
+            raise TypeError(f"splitgrad.{module}: expected a bool set_parallel_mode")
+    else:
+        parallel_mode = te_keywords.pop("parallel_mode", None)
+        if parallel_mode not in _PARALLEL_MODES:
+            raise TypeError(f"splitgrad.{module}: expected parallel_mode None, 'column' or 'row' (te's "
+                            f"GemmParallelModes), got {parallel_mode!r}")
+    tracker = te_keywords.pop("get_rng_state_tracker", None)
+    if tracker is not None and not callable(tracker):
+        raise TypeError(f"splitgrad.{module}: expected get_rng_state_tracker to be None or callable "
+                        f"(Megatron's get_cuda_rng_tracker), got {type(tracker).__name__}")
+    tracker_name = te_keywords.pop("rng_tracker_name", None)
+    if tracker_name is not None and not isinstance(tracker_name, str):
+        raise TypeError(f"splitgrad.{module}: expected rng_tracker_name to be None or a str, got {tracker_name!r}")
+    return {"parallel_mode": parallel_mode, "sequence_parallel": False, "tp_size": 1,
+            "get_rng_state_tracker": tracker, "rng_tracker_name": tracker_name}
 
 
 def _check_sizes(module: str, **sizes) -> tuple[int, ...]:
@@ -214,6 +260,15 @@ class _DeferredWgradModule(nn.Module):
     @name.setter
     def name(self, value: str) -> None:
         self._layer.name = str(value)
+
+    def _init_rng(self):
+        """Where the weights are drawn: under the RNG tracker's fork when one was given, as TE
+        initialises them (Megatron's get_cuda_rng_tracker), else the default generators."""
+        tracker = getattr(self, "get_rng_state_tracker", None)
+        if tracker is None:
+            return contextlib.nullcontext()
+        name = getattr(self, "rng_tracker_name", None)
+        return tracker().fork(name) if name else tracker().fork()
 
     def need_backward_dw(self) -> bool:
         """TE's name: whether this module defers its weight gradients to :meth:`backward_dw`
@@ -488,6 +543,7 @@ class Linear(_DeferredWgradModule):
         **te_keywords,
     ) -> None:
         super().__init__()
+        self.__dict__.update(_take_tensor_parallel_keywords("Linear", te_keywords))
         _refuse_unsupported("Linear", te_keywords, _TE_LINEAR_DEFAULTS)
         in_features, out_features = _check_sizes("Linear", in_features=in_features, out_features=out_features)
         _check_params_dtype("Linear", params_dtype)
@@ -509,14 +565,18 @@ class Linear(_DeferredWgradModule):
         return f"Linear({self.in_features}, {self.out_features})#{layer_id}"
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
-        _reset_linear(self.weight, self.bias, init_method)
+        with self._init_rng():
+            _reset_linear(self.weight, self.bias, init_method)
 
-    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None) -> torch.Tensor:
+    def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False,
+                fp8_grad: bool = False) -> torch.Tensor:
         """y = inp·Wᵀ + b for ``inp`` of shape [*, in_features].
 
         ``is_first_microbatch`` is accepted for te.Linear compatibility; it does not change the
-        gradients (they accumulate over micro-batches either way).
+        gradients (they accumulate over micro-batches either way). ``fp8_output`` / ``fp8_grad``:
+        te.Linear's, accepted off (splitgrad has no FP8).
         """
+        _refuse_fp8(self.name, fp8_output, fp8_grad)
         self._check_forward_args(inp, is_first_microbatch)
         # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
         bias = None if self.return_bias else self.bias

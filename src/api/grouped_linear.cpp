@@ -33,13 +33,11 @@ void GroupedLinearImpl::reset() {
   const auto tensor_options = torch::TensorOptions().dtype(dtype).device(device);
   weights.clear();
   biases.clear();
-  for (int64_t i = 0; i < options.num_gemms(); ++i) {
+  for (int64_t i = 0; i < options.num_gemms(); ++i) {  // te.GroupedLinear's order: weight0, bias0, ...
     weights.push_back(register_parameter(
         c10::str("weight", i),
         torch::empty({options.out_features(), options.in_features()}, tensor_options)));
-  }
-  if (options.bias()) {
-    for (int64_t i = 0; i < options.num_gemms(); ++i) {
+    if (options.bias()) {
       biases.push_back(register_parameter(c10::str("bias", i),
                                           torch::empty({options.out_features()}, tensor_options)));
     }
@@ -53,10 +51,13 @@ void GroupedLinearImpl::reset() {
 }
 
 void GroupedLinearImpl::reset_parameters() {
-  // Each expert as nn.Linear: kaiming-uniform weight, uniform bias in ±1/sqrt(fan_in).
-  for (auto& weight : weights) torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  // Each expert as nn.Linear, expert by expert: kaiming-uniform weight, uniform bias in
+  // ±1/sqrt(fan_in).
   const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
-  for (auto& bias : biases) torch::nn::init::uniform_(bias, -bound, bound);
+  for (size_t i = 0; i < weights.size(); ++i) {
+    torch::nn::init::kaiming_uniform_(weights[i], std::sqrt(5));
+    if (i < biases.size()) torch::nn::init::uniform_(biases[i], -bound, bound);
+  }
 }
 
 void GroupedLinearImpl::pretty_print(std::ostream& stream) const {

@@ -1,6 +1,7 @@
 """SPEC §2: the Python API — te.Linear's constructor keywords, module behaviour (state_dict, .to,
 deepcopy), name_layers, and ``import splitgrad as te`` as a drop-in."""
 
+import contextlib
 import copy
 import gc
 import inspect
@@ -60,6 +61,73 @@ def test_unknown_keyword_is_a_type_error():
         splitgrad.Linear(8, 4, sequence_parallel=True)
     with pytest.raises(TypeError, match="not_a_keyword"):
         splitgrad.Linear(8, 4, not_a_keyword=1)
+
+
+class _RngTracker:
+    """Megatron's CudaRNGStatesTracker as TE calls it: fork(name) around the weights' init."""
+
+    def __init__(self):
+        self.forks = []
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        self.forks.append(name)
+        state = torch.get_rng_state()
+        torch.manual_seed(1234)  # the tracker's own stream
+        try:
+            yield
+        finally:
+            torch.set_rng_state(state)
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"])
+def test_megatron_tensor_parallel_keywords_at_one_rank(module):
+    """Megatron's TE layers pass parallel_mode and its RNG tracker even at tensor-parallel size 1:
+    accepted, the weights drawn under the tracker's fork as TE draws them; tensor or sequence
+    parallelism itself is refused by name."""
+    make = {
+        "Linear": lambda **kw: splitgrad.Linear(8, 4, device="cpu", **kw),
+        "LayerNormLinear": lambda **kw: splitgrad.LayerNormLinear(8, 4, device="cpu", **kw),
+        "LayerNormMLP": lambda **kw: splitgrad.LayerNormMLP(8, 4, device="cpu", **kw),
+        "GroupedLinear": lambda **kw: splitgrad.GroupedLinear(2, 8, 4, device="cpu", **kw),
+    }[module]
+    mode = {"set_parallel_mode": True} if module == "LayerNormMLP" else {"parallel_mode": "row"}
+    tracker = _RngTracker()
+    torch.manual_seed(0)
+    layer = make(tp_size=1, tp_group=None, sequence_parallel=False, get_rng_state_tracker=lambda: tracker,
+                 rng_tracker_name="expert-rng", **mode)
+    assert tracker.forks == ["expert-rng"]
+    torch.manual_seed(0)
+    again = make(get_rng_state_tracker=lambda: tracker)  # the tracker's stream again: the same weights
+    assert tracker.forks == ["expert-rng", "model-parallel-rng"]
+    for (name, p), (_, q) in zip(layer.named_parameters(), again.named_parameters()):
+        assert torch.equal(p, q), name
+    torch.manual_seed(0)
+    untracked = make()
+    assert any(not torch.equal(p, q) for p, q in zip(layer.parameters(), untracked.parameters()))
+    assert layer.tp_size == 1 and layer.sequence_parallel is False
+    with pytest.raises(TypeError, match="tensor parallelism is not supported: expected tp_size=1 .* got tp_size=2"):
+        make(tp_size=2)
+    with pytest.raises(TypeError, match="sequence parallelism is not supported"):
+        make(sequence_parallel=True)
+    with pytest.raises(TypeError, match="get_rng_state_tracker"):
+        make(get_rng_state_tracker="tracker")
+    if module != "LayerNormMLP":
+        with pytest.raises(TypeError, match="expected parallel_mode None, 'column' or 'row'"):
+            make(parallel_mode="diagonal")
+
+
+@pytest.mark.parametrize("module", ["Linear", "LayerNormLinear"])
+def test_te_forward_fp8_keywords_accepted_off(module):
+    layer = (splitgrad.Linear(8, 4, device="cpu") if module == "Linear"
+             else splitgrad.LayerNormLinear(8, 4, device="cpu"))
+    x = torch.randn(3, 8)
+    assert torch.equal(layer(x, None, False, False), layer(x))
+    assert torch.equal(layer(x, fp8_output=False, fp8_grad=False), layer(x))
+    with pytest.raises(splitgrad.ArgumentError, match="FP8 is not supported: expected fp8_output=False"):
+        layer(x, fp8_output=True)
+    with pytest.raises(splitgrad.ArgumentError, match="fp8_grad=True"):
+        layer(x, fp8_grad=True)
 
 
 # te.Linear's (TE 2.x) keywords for features splitgrad does not have, at their defaults.

@@ -588,6 +588,9 @@ def test_constructor_errors():
         splitgrad.GroupedLinear(2, IN, OUT, device="cpu", params_dtype=torch.int32)
     with pytest.raises(TypeError, match="tp_size"):
         splitgrad.GroupedLinear(2, IN, OUT, device="cpu", tp_size=2)
+    # te.GroupedLinear's parameter order (an optimizer's state saved from TE maps by position)
+    assert [n for n, _ in splitgrad.GroupedLinear(3, IN, OUT, device="cpu").named_parameters()] == [
+        "weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
     for keyword, value in [("save_original_input", True), ("single_grouped_weight", True),
                            ("single_grouped_bias", True), ("use_grouped_tensor", True)]:
         with pytest.raises(TypeError, match=rf"splitgrad.GroupedLinear .*\['{keyword}'\]"):

@@ -279,8 +279,10 @@ def test_te_keywords_at_their_defaults_are_accepted_others_refused():
          return_layernorm_output_gathered=False, parameters_split=None, symmetric_ar_type=None)
     make("mlp", sequence_parallel=False, tp_group=None, set_parallel_mode=False, seq_length=None,
          micro_batch_size=None, activation_params=None, checkpoint=False, ub_bulk_wgrad=False)
-    with pytest.raises(TypeError, match=r"splitgrad.LayerNormLinear .*\['sequence_parallel'\]"):
+    with pytest.raises(TypeError, match=r"splitgrad.LayerNormLinear: sequence parallelism is not supported"):
         make("linear", sequence_parallel=True)
+    with pytest.raises(TypeError, match=r"splitgrad.LayerNormMLP .*\['parallel_mode'\]"):
+        make("mlp", parallel_mode="column")  # te.LayerNormMLP's is set_parallel_mode
     with pytest.raises(TypeError, match=r"splitgrad.LayerNormMLP .*\['checkpoint'\]"):
         make("mlp", checkpoint=True)
     with pytest.raises(TypeError, match="parameters_split"):
