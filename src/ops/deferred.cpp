@@ -5,6 +5,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
@@ -436,6 +437,30 @@ void check_no_fused_double_backward(Who who, bool fused_gradient_wanted) {
               ": fuse_wgrad_accumulation=True cannot take a backward with create_graph=True "
               "(double backward): main_grad is not differentiable. Build the layer with "
               "fuse_wgrad_accumulation=False for higher-order gradients.");
+}
+
+namespace {
+struct SecondOrderWeightGradRefused
+    : public torch::autograd::Function<SecondOrderWeightGradRefused> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& weight,
+                            std::string who) {
+    ctx->saved_data["who"] = std::move(who);
+    return weight.alias();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list /*grads*/) {
+    TORCH_CHECK(false, ctx->saved_data["who"].toStringRef(),
+                ": a gradient reached the weight through the input gradient of a backward with "
+                "create_graph=True (a gradient penalty, double backward), and "
+                "fuse_wgrad_accumulation=True cannot take it: main_grad is not differentiable. "
+                "Build the layer with fuse_wgrad_accumulation=False for higher-order gradients.");
+  }
+};
+}  // namespace
+
+at::Tensor refuse_second_order_weight_grad(Who who, const at::Tensor& weight) {
+  if (!weight.requires_grad()) return weight;
+  return SecondOrderWeightGradRefused::apply(weight, who());
 }
 
 bool is_traced(const at::Tensor& t) {

@@ -83,6 +83,12 @@ void check_registered_if_delayed(Who who, bool delay, core::LayerId layer);
 /// which is not differentiable: refused where `fused_gradient_wanted`.
 void check_no_fused_double_backward(Who who, bool fused_gradient_wanted);
 
+/// A fused layer's weight as a create_graph=True backward's input gradient uses it (dx = dy·W):
+/// a gradient that later reaches the weight through that dx (a gradient penalty) would land in
+/// .grad beside main_grad, so it is refused there, when it flows (one that never reaches the
+/// weight, e.g. a Hessian-vector product in the inputs, runs).
+at::Tensor refuse_second_order_weight_grad(Who who, const at::Tensor& weight);
+
 /// Whether `t` is a tracing placeholder (meta, fake or functional tensor) with no values to read
 /// or stash.
 bool is_traced(const at::Tensor& t);

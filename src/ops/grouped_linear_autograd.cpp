@@ -182,7 +182,13 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       const auto xs = split_rows(x, sizes);
       if (ctx->needs_input_grad(0)) {
         std::vector<at::Tensor> dxs;
-        for (size_t i = 0; i < groups; ++i) dxs.push_back(at::mm(dys[i], weight_values[i]));
+        for (size_t i = 0; i < groups; ++i) {
+          const bool fused = entry(weight_main_grads, i).defined() || lazy_main_grad;
+          dxs.push_back(at::mm(
+              dys[i], fused ? refuse_second_order_weight_grad([&] { return who_of(layer); },
+                                                              weight_values[i])
+                            : weight_values[i]));
+        }
         grads[0] = at::cat(dxs).view(input.sizes());
       }
       for (size_t i = 0; i < groups; ++i) {

@@ -141,7 +141,11 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
                    (bias_wanted && (bias_main_grad.defined() || lazy_main_grad)));
       const at::Tensor dy = flatten_tokens(grad_output);
       if (ctx->needs_input_grad(0)) {
-        grads[0] = at::matmul(grad_output, in_compute_dtype(weight, compute_dtype));
+        at::Tensor dgrad_weight = in_compute_dtype(weight, compute_dtype);
+        if (weight_main_grad.defined() || lazy_main_grad) {
+          dgrad_weight = refuse_second_order_weight_grad(who, dgrad_weight);
+        }
+        grads[0] = at::matmul(grad_output, dgrad_weight);
         if (!activation.empty()) {
           grads[0] = aten_backend::activation_backward_differentiable(grads[0], input, activation);
         }

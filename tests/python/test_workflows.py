@@ -291,6 +291,49 @@ def test_double_backward_with_main_grad_is_refused():
         model(torch.randn(3, D)).sum().backward(create_graph=True)
 
 
+@pytest.mark.parametrize("module", ["Linear", "GroupedLinear", "LayerNormMLP"])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_fused_gradient_penalty_is_refused_when_it_reaches_the_weight(module, delay):
+    """A gradient penalty's part of the weight gradient flows through the create_graph=True input
+    gradient (dx = dy·W): it would land in .grad beside main_grad (and Megatron drops a .grad once
+    grad_added_to_main_grad is set), so it is refused when it reaches the weight. A second order
+    in the inputs alone (a Hessian-vector product in x) never reaches the weight: it runs and
+    equals plain autograd's."""
+    kw = dict(device="cpu", delay_wgrad_compute=delay, fuse_wgrad_accumulation=True)
+    model = {"Linear": lambda: splitgrad.Linear(D, D, **kw),
+             "GroupedLinear": lambda: splitgrad.GroupedLinear(2, D, D, **kw),
+             "LayerNormMLP": lambda: splitgrad.LayerNormMLP(D, 2 * D, **kw)}[module]()
+    for p in model.parameters():
+        p.main_grad = torch.zeros(p.shape)
+    run = (lambda x: model(x, [1, 2])) if module == "GroupedLinear" else model
+    x = torch.randn(3, D, requires_grad=True, generator=torch.Generator().manual_seed(2))
+    loss = run(x).pow(2).sum()
+    (gx,) = torch.autograd.grad(loss, x, create_graph=True)
+    assert splitgrad.pending_wgrads() == 0
+    with pytest.raises(RuntimeError, match=r"splitgrad layer '[^']*'( \(fc\d\))?: a gradient reached the weight through the "
+                                           r"input gradient of a backward with create_graph=True"):
+        (loss + gx.pow(2).sum()).backward()
+    splitgrad.backward_dw_all()  # what the refused pass queued before the error, if anything
+
+    # Hessian-vector product in x: the weights are not differentiated. Reference: the same module
+    # without fusing, the same weights.
+    v = torch.randn(3, D, generator=torch.Generator().manual_seed(3))
+    plain = {"Linear": lambda: splitgrad.Linear(D, D, device="cpu"),
+             "GroupedLinear": lambda: splitgrad.GroupedLinear(2, D, D, device="cpu"),
+             "LayerNormMLP": lambda: splitgrad.LayerNormMLP(D, 2 * D, device="cpu")}[module]()
+    plain.load_state_dict(model.state_dict())
+    hvps = []
+    for m in (model, plain):
+        for p in m.parameters():
+            p.requires_grad_(False)
+        xm = x.detach().requires_grad_()
+        out = m(xm, [1, 2]) if module == "GroupedLinear" else m(xm)
+        (gx,) = torch.autograd.grad(out.pow(2).sum(), xm, create_graph=True)
+        hvps.append(torch.autograd.grad(gx, xm, v)[0])
+    assert splitgrad.pending_wgrads() == 0
+    torch.testing.assert_close(hvps[0], hvps[1], rtol=0, atol=0)
+
+
 # 7. torch.export ------------------------------------------------------------------------------
 
 
