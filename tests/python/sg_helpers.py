@@ -168,10 +168,11 @@ def to_reference(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
             memo[id(module)] = RefLayerNormMLP(module, memo)
         elif isinstance(module, splitgrad.GroupedLinear):
             ref = RefGroupedLinear(module.num_gemms, module.in_features, module.out_features)
-            for i, weight in enumerate(module.weights):
+            biases = module.biases or [None] * module.num_gemms
+            for i, (weight, bias) in enumerate(zip(module.weights, biases)):  # the module's order
                 setattr(ref, f"weight{i}", memo[id(weight)])
-            for i, bias in enumerate(module.biases):
-                setattr(ref, f"bias{i}", memo[id(bias)])
+                if bias is not None:
+                    setattr(ref, f"bias{i}", memo[id(bias)])
             memo[id(module)] = ref
     reference = copy.deepcopy(model, memo)
     if dtype is not None:

@@ -601,7 +601,7 @@ def test_constructor_errors():
                                     ub_overlap_rs=False, ub_overlap_ag=False, ub_name=None, return_bias=False,
                                     save_original_input=False, single_grouped_weight=False,
                                     single_grouped_bias=False, use_grouped_tensor=None)
-    assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1", "bias0", "bias1"]
+    assert [n for n, _ in layer.named_parameters()] == ["weight0", "bias0", "weight1", "bias1"]
 
 
 def test_sizes_may_be_numpy_integers():
