@@ -119,20 +119,18 @@ class PlainLayerNormMLP(nn.Module):
 
 class PlainGroupedLinear(nn.Module):
     """te.GroupedLinear's function in plain PyTorch: one F.linear per expert on its rows, with its
-    parameter names (``weight0`` …, ``bias0`` …) and splitgrad.GroupedLinear's initialisation order
-    (every weight as nn.Linear's, then every bias)."""
+    parameters in its order (``weight0``, ``bias0``, ``weight1``, …) and splitgrad.GroupedLinear's
+    initialisation (each expert as nn.Linear's, expert by expert)."""
 
     def __init__(self, experts: int, i: int, o: int, device=None, dtype=None) -> None:
         super().__init__()
         self.experts = experts
         for e in range(experts):
             self.register_parameter(f"weight{e}", nn.Parameter(torch.empty(o, i, device=device, dtype=dtype)))
-        for e in range(experts):
             self.register_parameter(f"bias{e}", nn.Parameter(torch.empty(o, device=device, dtype=dtype)))
         with torch.no_grad():
             for e in range(experts):
                 nn.init.kaiming_uniform_(getattr(self, f"weight{e}"), a=math.sqrt(5))
-            for e in range(experts):
                 nn.init.uniform_(getattr(self, f"bias{e}"), -1 / math.sqrt(i), 1 / math.sqrt(i))
 
     def forward(self, x: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:

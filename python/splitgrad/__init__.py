@@ -24,6 +24,9 @@ from ._grouped_linear import GroupedLinear
 from ._linear import Linear, name_layers
 from ._layernorm import LayerNormLinear, LayerNormMLP
 from . import distributed  # splitgrad.distributed.GradReducer
+from . import _flops
+
+_flops.install()  # FlopCounterMode counts splitgrad's GEMMs as nn.Linear's
 
 
 def __getattr__(name):

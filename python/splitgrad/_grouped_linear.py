@@ -16,6 +16,7 @@ from ._linear import (
     _check_sizes,
     _DeferredWgradModule,
     _factory,
+    _base_of,
     _refuse_unsupported,
     _reset_linear,
     _take_tensor_parallel_keywords,
@@ -152,8 +153,12 @@ class GroupedLinear(_DeferredWgradModule):
             return self._stack_splits(m_splits, who)
         counts = []
         for i, s in enumerate(m_splits):
-            try:  # ints, and integers that say they are (numpy's): not floats, not bools
-                if isinstance(s, (bool, torch.Tensor)) or getattr(s, "dtype", None) == bool:
+            if torch.compiler.is_compiling() and isinstance(s, int) and not isinstance(s, bool):
+                counts.append(s)  # maybe traced (counts.tolist()), not to be read here: the op checks it
+                continue
+            try:  # ints, and integers that say they are (numpy's): not floats, not bools (numpy's
+                # refuse operator.index)
+                if isinstance(s, (bool, torch.Tensor)):
                     raise TypeError
                 counts.append(operator.index(s))
             except TypeError:
@@ -226,6 +231,9 @@ class GroupedLinear(_DeferredWgradModule):
         if len(counts) != self.num_gemms or any(c < 0 for c in counts) or sum(counts) != rows.shape[0]:
             raise ArgumentError(f"splitgrad layer '{self.name}': expected {self.num_gemms} non-negative m_splits "
                                 f"summing to the input's {rows.shape[0]} rows, got {counts}")
+        trained = [w for w in weights if _base_of(w).requires_grad]
+        if trained:  # one warning for the layer
+            self._warn_if_fused_functional(trained[0], "each expert's weight{i}")
         pieces = rows.split(counts)
         outs = [nn.functional.linear(x, w, biases[i] if biases else None)
                 for i, (x, w) in enumerate(zip(pieces, weights))]

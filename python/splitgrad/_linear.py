@@ -270,6 +270,17 @@ class _DeferredWgradModule(nn.Module):
         name = getattr(self, "rng_tracker_name", None)
         return tracker().fork(name) if name else tracker().fork()
 
+    def _warn_if_fused_functional(self, weight: torch.Tensor, name: str) -> None:
+        """On the functional path (torch.func, forward-mode AD) a fused layer's gradient is plain
+        autograd's: a backward outside the transform puts it in .grad, not main_grad."""
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(weight).requires_grad:
+            warnings.warn(
+                f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "
+                "transform or forward-mode AD with its own parameters: a backward through this "
+                f"call outside the transform adds its gradient to {name}.grad, not main_grad. "
+                "Pass the parameters through torch.func.functional_call, or fold .grad into main_grad.",
+                stacklevel=5)
+
     def need_backward_dw(self) -> bool:
         """TE's name: whether this module defers its weight gradients to :meth:`backward_dw`
         (built with delay_wgrad_compute=True)."""
@@ -346,13 +357,7 @@ class _DeferredWgradModule(nn.Module):
             return _linear_op(inp, weight, bias, None, None, 0, False, activation)
         if path == "functional":  # nn.Linear's own differentiable op
             assert activation is None, "the functional path applies the activation outside"
-            if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and _base_of(weight).requires_grad:
-                warnings.warn(
-                    f"splitgrad layer '{self.name}' (fuse_wgrad_accumulation=True) runs inside a torch.func "
-                    "transform or forward-mode AD with its own parameters: a backward through this "
-                    f"call outside the transform adds its gradient to {names[0]}.grad, not main_grad. "
-                    "Pass the parameters through torch.func.functional_call, or fold .grad into main_grad.",
-                    stacklevel=4)
+            self._warn_if_fused_functional(weight, names[0])
             return nn.functional.linear(inp, weight, bias)
         # A fused layer's backward reads each main_grad when it computes that gradient, as TE's does
         # (the op's lazy_main_grad): checked here already where it exists, but what the backward

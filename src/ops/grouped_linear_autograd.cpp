@@ -114,7 +114,9 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
     check_layer_args(layer_id, delay, input, m_splits, weights, biases, weight_main_grads,
                      bias_main_grads, lazy_main_grad, compute_dtype);
-    std::vector<at::Tensor> saved{input, m_splits};
+    // The splits as they are now (a few integers): a per-expert model splits its rows at the
+    // forward, so a router's counts buffer refilled before the backward must not change it.
+    std::vector<at::Tensor> saved{input, m_splits.clone()};
     saved.insert(saved.end(), weights.begin(), weights.end());
     ctx->save_for_backward(saved);
     // The parameters themselves, for the gradient sinks (saved tensors may come back as copies:

@@ -803,6 +803,26 @@ def test_compile_fullgraph_regular_forward():
     _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
+def test_compile_fullgraph_with_a_routers_counts_as_a_list():
+    """te.GroupedLinear's m_splits type, a list of ints, made from a router's counts inside the
+    compiled function (counts.tolist(): traced integers, not read while tracing)."""
+    layer = _layer(n=3)
+    reference = to_reference(layer)
+
+    def step(module, x, choice):
+        counts = nn.functional.one_hot(choice, 3).sum(0)
+        return module(x[choice.argsort(stable=True)], counts.tolist())
+
+    x, gy = _data([2, 0, 3])
+    choice = torch.tensor([2, 0, 2, 0, 2])
+    with torch._dynamo.config.patch(capture_scalar_outputs=True, capture_dynamic_output_shape_ops=True):
+        torch._dynamo.reset()
+        y = torch.compile(step, fullgraph=True, backend="aot_eager")(layer, x, choice)
+    y.backward(gy)
+    step(reference, x, choice).backward(gy)
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------
 # Property: any routing, tying, micro-batch schedule and W order
 # ------------------------------------------------------------------------------------------------
@@ -973,3 +993,38 @@ def test_torch_func_transforms_match_per_expert_linear(delay, fused):
     assert all(p.grad is None for p in layer.parameters())
     with pytest.raises(splitgrad.ArgumentError, match="summing to the input's 5 rows"):
         torch.func.grad(lambda x: layer(x, [1, 1, 1]).sum())(x)
+
+
+def test_fused_experts_differentiated_inside_a_transform_say_where_the_gradient_goes():
+    """As splitgrad.Linear: a fused layer's own parameters differentiated through a torch.func
+    transform get plain autograd's gradient in .grad (the transform runs F.linear): a warning
+    says so, and .grad + main_grad is plain autograd's."""
+    layer = splitgrad.GroupedLinear(2, 4, 5, device="cpu", fuse_wgrad_accumulation=True, name="experts")
+    for p in layer.parameters():
+        p.main_grad = torch.zeros_like(p)
+    reference = to_reference(layer)
+    x = torch.randn(7, 4, requires_grad=True)
+    with pytest.warns(UserWarning, match="'experts' .* adds its gradient to each expert's weight\\{i\\}.grad, "
+                                         "not main_grad"):
+        torch.func.grad(lambda x: layer(x, [3, 4]).pow(2).sum())(x).sum().backward()
+    torch.func.grad(lambda x: reference(x, [3, 4]).pow(2).sum())(x).sum().backward()
+    for (name, p), ref in zip(layer.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.main_grad + p.grad, ref.grad, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_routers_counts_buffer_refilled_before_the_backward(delay, dtype):
+    """A per-expert model splits its rows at the forward: refilling the router's counts buffer
+    for the next micro-batch before this one's backward (and backward_dw) changes nothing."""
+    layer = _layer(n=3, delay_wgrad_compute=delay)
+    reference = to_reference(layer)
+    x, gy = _data([2, 0, 3])
+    counts = torch.tensor([2, 0, 3], dtype=dtype)
+    y = layer(x, counts)
+    counts.copy_(torch.tensor([1, 3, 1]))
+    y.backward(gy)
+    counts.copy_(torch.tensor([0, 0, 5]))
+    layer.backward_dw()
+    reference(x, [2, 0, 3]).backward(gy)
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
