@@ -202,7 +202,17 @@ def _install_guards() -> None:
             check_no_pending(f"{type(self).__name__}.zero_grad()", list(self.parameters()))
         return module_zero_grad(self, *args, **kwargs)
 
+    optimizer_state_dict = torch.optim.Optimizer.state_dict
+
+    @functools.wraps(optimizer_state_dict)
+    def guarded_optimizer_state_dict(self, *args, **kwargs):
+        # a checkpoint taken mid-step, as Module.state_dict() reports it
+        if _C.pending_wgrads():
+            check_no_pending(f"{type(self).__name__}.state_dict()", _optimizer_params(self))
+        return optimizer_state_dict(self, *args, **kwargs)
+
     torch.optim.Optimizer.zero_grad = guarded_optimizer_zero_grad
+    torch.optim.Optimizer.state_dict = guarded_optimizer_state_dict
     torch.nn.Module.zero_grad = guarded_module_zero_grad
 
     # Clipping reads the gradients as they are: before backward_dw() it clips partial gradients,

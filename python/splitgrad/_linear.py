@@ -369,6 +369,8 @@ class _DeferredWgradModule(nn.Module):
         return _linear_op(inp, weight, bias, None, None, self._layer_id, self.delay_wgrad_compute, activation,
                           fused, gemm or None)
 
+    @torch.compiler.disable(reason="checks a fused layer's main_grad (a Python attribute, read by the "
+                            "eager backward), once per parameter: not worth a graph of its own")
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True,
                       gemm: str = "") -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its
@@ -443,7 +445,7 @@ class _DeferredWgradModule(nn.Module):
             handle.remove()
         self._reduce_hook_handles = []
         own = self._own_parameters()
-        self._reduce_hook_flags = tuple(p.requires_grad for p in own)
+        self._reduce_hook_flags = tuple((p, p.requires_grad) for p in own)
         params = [p for p in own if p.requires_grad]
         pass_hooks = self.__dict__.setdefault("_pass_hooks", {})
         for hook in self._reduce_hooks:
@@ -455,9 +457,25 @@ class _DeferredWgradModule(nn.Module):
                 self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
 
     def _refresh_reduce_hooks(self) -> None:
-        """A parameter frozen or unfrozen since the hooks were installed: hooks go where grads do."""
-        if self._reduce_hooks and tuple(p.requires_grad for p in self._own_parameters()) != self._reduce_hook_flags:
+        """A parameter frozen, unfrozen or replaced (without __setattr__) since the hooks were
+        installed: hooks go where grads do."""
+        now = self._own_parameters()
+        installed = self._reduce_hook_flags
+        if self._reduce_hooks and (len(now) != len(installed) or any(
+                p is not q or p.requires_grad != flag for p, (q, flag) in zip(now, installed))):
             self._install_reduce_hooks()
+
+    def _apply(self, fn, recurse=True):
+        # .to()/.cuda()/.half(), to_empty() after a meta-device init: where PyTorch makes new
+        # Parameter objects (it cannot set .data across some devices or under
+        # swap_module_params_on_conversion), TE's mark and the reduce hooks move to them.
+        result = super()._apply(fn, recurse)
+        if "_layer" in self.__dict__:
+            for name in self._deferred_parameter_names():
+                self._mark_deferred(getattr(self, name, None))
+            if self._reduce_hooks:
+                self._install_reduce_hooks()
+        return result
 
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
@@ -503,7 +521,8 @@ class _DeferredWgradModule(nn.Module):
         if dropped:
             warnings.warn(
                 f"splitgrad layer '{name}' was deleted with {dropped} deferred wgrad item(s) "
-                "pending: their stashed tensors were freed and those gradient contributions discarded. "
+                "pending: their stashed tensors were freed and those gradient contributions discarded "
+                "(the grad-ready hooks of parameters it shares do not fire for those backward passes). "
                 "Call backward_dw() before deleting a layer.",
                 PendingWgradWarning,
                 stacklevel=2,

@@ -1,5 +1,6 @@
 #include "ops/checks.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
 
@@ -240,6 +241,14 @@ void check_main_grad(Who who, const std::string& param_name, const at::Tensor& m
   TORCH_CHECK_VALUE(main_grad.device() == param.device(), who(), ": expected ", param_name,
                     ".main_grad on ", param.device(), " (the parameter's device), got ",
                     main_grad.device());
+  // Accumulated in place: elements sharing memory (an expand()ed buffer) would each get every
+  // sum written over the others'.
+  TORCH_CHECK_VALUE(main_grad.unsafeGetTensorImpl()->has_symbolic_sizes_strides() ||
+                        at::has_internal_overlap(main_grad) != at::MemOverlap::Yes,
+                    who(), ": expected ", param_name,
+                    ".main_grad whose elements each have memory of their own (it is written in "
+                    "place), got one whose elements overlap (strides ",
+                    main_grad.strides(), ", e.g. from expand())");
 }
 
 void check_splits_tensor(Who who, const at::Tensor& m_splits, std::optional<int64_t> groups,

@@ -552,8 +552,10 @@ std::string stale_reason(const DeferredWgrad& item) {
                     " stashed for its deferred weight gradient was modified in place after the "
                     "backward pass that queued it (its version is now ",
                     now, "; ", saved, " was stashed). That item", for_weight,
-                    " was dropped and no gradient was written for it. "
-                    "Run backward_dw() before modifying the tensor, or modify a clone.");
+                    " was dropped and no gradient was written for it; the grad-ready hooks of its "
+                    "parameters do not fire for that backward pass (their gradient of it is "
+                    "incomplete). Run backward_dw() before modifying the tensor, or modify a "
+                    "clone.");
   };
   // With an input activation the stash is the activation's input (a LayerNormMLP's fc2 keeps
   // fc1's output): say so, naming the activation, so the message points at the right GEMM.

@@ -636,6 +636,24 @@ def test_meta_device_context_then_to_empty_trains_like_an_eager_module(kind, del
 
 
 @pytest.mark.parametrize("kind", MODULES)
+def test_to_empty_keeps_te_marks_and_reduce_hooks(kind):
+    """to_empty() after a meta-device init makes new Parameter objects (not through __setattr__):
+    TE's skip_backward_post_hook mark of a delayed module and the hooks registered before stay
+    with the module's parameters."""
+    with torch.device("meta"):
+        lazy = _build(kind, delay_wgrad_compute=True)
+    fired = []
+    lazy.register_wgrad_accumulation_and_reduce_hooks(lambda p: fired.append(p))
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    params = list(lazy.parameters())
+    gemm_params = [getattr(lazy, n) for n in lazy._deferred_parameter_names() if getattr(lazy, n, None) is not None]
+    assert gemm_params and all(getattr(p, "skip_backward_post_hook", False) for p in gemm_params)
+    _train_step(lazy, torch.randn(5, 8))
+    assert sorted(map(id, fired)) == sorted(map(id, params))
+
+
+@pytest.mark.parametrize("kind", MODULES)
 def test_device_none_honours_a_default_device_and_an_explicit_device_wins(kind):
     torch.set_default_device("meta")
     try:

@@ -130,7 +130,7 @@ def test_main_grad_replaced_after_the_forward_gets_the_gradient(kind, delay):
 
 @pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("broken", ["removed", "wrong-shape", "bf16", "not-a-tensor"])
+@pytest.mark.parametrize("broken", ["removed", "wrong-shape", "bf16", "not-a-tensor", "overlapping"])
 def test_main_grad_broken_before_the_backward_is_a_clear_error(kind, delay, broken):
     model = build(kind, delay)
     params = gemm_parameters(model)
@@ -151,6 +151,9 @@ def test_main_grad_broken_before_the_backward_is_a_clear_error(kind, delay, brok
     elif broken == "bf16":
         weight.main_grad = torch.zeros(weight.shape, dtype=torch.bfloat16)
         error, match = ValueError, r"main_grad of dtype torch.float32, got torch.bfloat16"
+    elif broken == "overlapping":
+        weight.main_grad = torch.zeros(1, weight.shape[1]).expand(weight.shape)
+        error, match = ValueError, r"main_grad whose elements each have memory of their own .*strides \[0, 1\]"
     else:
         weight.main_grad = [0.0]
         error, match = TypeError, r"main_grad to be a torch.Tensor, got list"

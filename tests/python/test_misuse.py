@@ -141,6 +141,7 @@ ACTIONS = {
     "optimizer.zero_grad": lambda model, opt: opt.zero_grad(),
     "module.zero_grad": lambda model, opt: model.zero_grad(),
     "state_dict": lambda model, opt: model.state_dict(),
+    "optimizer.state_dict": lambda model, opt: opt.state_dict(),
     # clipping partial gradients: limits far above the gradients, so a clip changes no value
     "clip_grad_norm_": lambda model, opt: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9),
     "clip_grad_value_": lambda model, opt: torch.nn.utils.clip_grad_value_(parameters=model.parameters(),
@@ -214,6 +215,7 @@ def test_no_warning_without_pending_work_or_for_unrelated_params():
         opt.step()
         other.zero_grad()
         other.state_dict()
+        opt.state_dict()
         other(torch.randn(2, D)).sum().backward()
         torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
         torch.nn.utils.clip_grad_value_(other.weight, 1.0)
