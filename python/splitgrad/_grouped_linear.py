@@ -43,8 +43,11 @@ _grouped_linear_op = torch.ops.splitgrad.grouped_linear.default
     reason="a splitgrad.GroupedLinear with delay_wgrad_compute or fuse_wgrad_accumulation runs "
     "eagerly (a graph break): its deferred work and main_grad accumulation happen outside compiled "
     "graphs")
-def _grouped_outside_graph(*args):
-    return _grouped_linear_op(*args)
+def _grouped_outside_graph(module, inp, splits, weights, biases):
+    # with the main_grad checks (Python attributes: traced, they recompiled per expert)
+    module._check_main_grads(weights, biases)
+    return _grouped_linear_op(inp, splits, weights, biases, [], [], module._layer_id, module.delay_wgrad_compute,
+                              module.fuse_wgrad_accumulation)
 
 
 def _is_array(value) -> bool:
@@ -206,18 +209,22 @@ class GroupedLinear(_DeferredWgradModule):
             return self._functional(inp, splits, weights, biases)
         fused = self.fuse_wgrad_accumulation
         with _typed_errors():
+            if path == "compile" and (self.delay_wgrad_compute or fused):
+                return _grouped_outside_graph(self, inp, splits, weights, biases)
             if fused and path != "export":  # checked here; the backward reads them (see _apply_linear)
-                for i, w in enumerate(weights):
-                    self._main_grad_of(w, f"weight{i}")
-                for i, b in enumerate(biases):
-                    self._main_grad_of(b, f"bias{i}", required=False)
+                self._check_main_grads(weights, biases)
             if path in ("export", "trace"):
                 # A graph meant to outlive this process records a regular, unfused call (layer 0).
                 return _grouped_linear_op(inp, splits, weights, biases, [], [], 0, False)
-            args = (inp, splits, weights, biases, [], [], self._layer_id, self.delay_wgrad_compute, fused)
-            if path == "compile" and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
-                return _grouped_outside_graph(*args)
-            return _grouped_linear_op(*args)
+            return _grouped_linear_op(inp, splits, weights, biases, [], [], self._layer_id,
+                                      self.delay_wgrad_compute, fused)
+
+    def _check_main_grads(self, weights, biases) -> None:
+        if self.fuse_wgrad_accumulation:
+            for i, w in enumerate(weights):
+                self._main_grad_of(w, f"weight{i}")
+            for i, b in enumerate(biases):
+                self._main_grad_of(b, f"bias{i}", required=False)
 
     def _functional(self, inp, splits, weights, biases):
         # Under a torch.func transform or forward-mode AD: each expert with F.linear, as a plain

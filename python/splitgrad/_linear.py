@@ -103,11 +103,18 @@ def _base_of(t: torch.Tensor) -> torch.Tensor:
     reason="a splitgrad.Linear with delay_wgrad_compute or fuse_wgrad_accumulation runs eagerly "
     "(a graph break): its deferred work and main_grad accumulation happen outside compiled graphs, "
     "so fullgraph=True cannot include it")
-def _linear_outside_graph(inp, weight, bias, layer_id, delay, activation, fused, gemm):
+def _linear_outside_graph(module, names, inp, weight, bias, activation, gemm):
     # Under torch.compile: deferred work must be queued with real tensors, never inside a traced
     # graph, and a fused layer's gradient must reach main_grad, which a compiled backward (where
-    # AOTAutograd returns every gradient to autograd) would bypass: such layers run eagerly.
-    return _linear_op(inp, weight, bias, None, None, layer_id, delay, activation, fused, gemm)
+    # AOTAutograd returns every gradient to autograd) would bypass: such layers run eagerly, with
+    # their main_grad checks (Python attributes: traced, they recompiled per parameter).
+    fused = module.fuse_wgrad_accumulation
+    if fused:
+        module._main_grad_of(weight, names[0], gemm=gemm or "")
+        if bias is not None:
+            module._main_grad_of(bias, names[1], required=False, gemm=gemm or "")
+    return _linear_op(inp, weight, bias, None, None, module._layer_id, module.delay_wgrad_compute, activation,
+                      fused, gemm)
 
 
 def _main_grad_at_backward_only(param: torch.Tensor) -> bool:
@@ -339,8 +346,9 @@ class _DeferredWgradModule(nn.Module):
         input_activation (act(inp)·weightᵀ + bias, a deferred wgrad keeping ``inp``); not on the
         functional path, where the caller applies the activation."""
         weight_main_grad = bias_main_grad = None
-        # export records an unfused call; functional gradients are returned, not accumulated
-        if self.fuse_wgrad_accumulation and path not in ("export", "functional"):
+        # export records an unfused call; functional gradients are returned, not accumulated;
+        # compiled code checks them outside the graph (_linear_outside_graph)
+        if self.fuse_wgrad_accumulation and path not in ("export", "functional", "compile"):
             weight_main_grad = self._main_grad_of(weight, names[0], gemm=gemm)
             if bias is not None:
                 bias_main_grad = self._main_grad_of(bias, names[1], required=False, gemm=gemm)
@@ -364,13 +372,10 @@ class _DeferredWgradModule(nn.Module):
         # finds then is what it adds to.
         fused = self.fuse_wgrad_accumulation
         if path == "compile" and (self.delay_wgrad_compute or fused):
-            return _linear_outside_graph(inp, weight, bias, self._layer_id, self.delay_wgrad_compute, activation,
-                                         fused, gemm or None)
+            return _linear_outside_graph(self, names, inp, weight, bias, activation, gemm or None)
         return _linear_op(inp, weight, bias, None, None, self._layer_id, self.delay_wgrad_compute, activation,
                           fused, gemm or None)
 
-    @torch.compiler.disable(reason="checks a fused layer's main_grad (a Python attribute, read by the "
-                            "eager backward), once per parameter: not worth a graph of its own")
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True,
                       gemm: str = "") -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its
