@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 . scripts/env.sh
 jobs="$(nproc)"
 
+# SPLITGRAD_BUILD_PYTHON=OFF: the C++ package's layout here (the pip install below turns it on in
+# the same folder).
 cmake -S . -B build/cpp -G Ninja -DSPLITGRAD_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
-  -DPython3_EXECUTABLE="$(command -v python)"
+  -DSPLITGRAD_BUILD_PYTHON=OFF -DPython3_EXECUTABLE="$(command -v python)"
 cmake --build build/cpp -j "$jobs"
 ctest --test-dir build/cpp --output-on-failure
 # The C++ package as `cmake --install` lays it out, and the out-of-tree example built against it.
@@ -23,7 +25,9 @@ rm -rf "$prefix"
 bash scripts/sanitize.sh asan
 bash scripts/sanitize.sh tsan
 
-pip install --no-build-isolation -q .
+# In build/cpp: the library's objects (the CUDA kernels included) are those built above, so only
+# the Python module compiles.
+pip install --no-build-isolation -q -Cbuild-dir=build/cpp .
 # The C++ package the Python package ships (splitgrad.cmake_prefix_path): the example against it.
 bash scripts/example_cpp.sh pip
 python -m pytest tests/python "$@"
