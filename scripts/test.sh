@@ -30,4 +30,5 @@ bash scripts/sanitize.sh tsan
 pip install --no-build-isolation -q -Cbuild-dir=build/cpp .
 # The C++ package the Python package ships (splitgrad.cmake_prefix_path): the example against it.
 bash scripts/example_cpp.sh pip
-python -m pytest tests/python "$@"
+# --durations: the slowest tests in the log, to keep the run well inside CI's time.
+python -m pytest tests/python --durations=25 "$@"
