@@ -59,8 +59,9 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   explicit LinearImpl(const LinearOptions& options);
 
   /// Creates the parameters (as nn.Linear initialises them) and registers the layer with the
-  /// deferred-wgrad store (a fresh registration: work queued by the old one is dropped, with a
-  /// warning). Throws as the constructor does.
+  /// deferred-wgrad store. Called by the constructor and by clone() on the copy (a fresh
+  /// registration); as for torch::nn modules, calling it on a built layer throws (its parameters
+  /// are already registered): reset_parameters() re-draws them in place.
   void reset() override;
   /// Re-initialises the parameters in place as torch::nn::Linear does: weight kaiming-uniform
   /// (a = √5), bias uniform in ±1/√in_features.

@@ -118,22 +118,10 @@ void GroupedLinearImpl::check_expert(int64_t expert) const {
 void GroupedLinearImpl::tie(const char* what, int64_t expert, std::vector<torch::Tensor>& params,
                             const torch::Tensor& tied) {
   check_expert(expert);
-  const std::string who =
-      c10::str("splitgrad layer '", layer_->name(), "': tie_", what, "(", expert, ")");
-  TORCH_CHECK_VALUE(!params.empty(), who, " on a layer built with bias=false");
-  const torch::Tensor& current = params[expert];
-  TORCH_CHECK_VALUE(tied.defined() && tied.sizes() == current.sizes(), who, " expected a ", what,
-                    " of shape ", current.sizes(), ", got ",
-                    tied.defined() ? c10::str(tied.sizes()) : "an undefined tensor");
-  // A deferred gradient goes to the tied tensor's own .grad: a view's would never reach its base.
-  TORCH_CHECK_VALUE(tied.is_leaf(), who,
-                    " expected a parameter (a leaf tensor), got a non-leaf tensor (a view or the "
-                    "result of an op)");
-  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a ", what,
-                   " of dtype ", detail::dtype_name(current.scalar_type()), " (the layer's), got ",
-                   detail::dtype_name(tied.scalar_type()));
-  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
-                    current.device(), " (the layer's device), got ", tied.device());
+  TORCH_CHECK_VALUE(!params.empty(), "splitgrad layer '", layer_->name(), "': tie_", what, "(",
+                    expert, ") on a layer built with bias=false");
+  detail::check_tie(*layer_, c10::str("tie_", what, "(", expert, ")"), c10::str(what, expert),
+                    params[expert], tied);
   parameters_[c10::str(what, expert)] = tied;
   params[expert] = tied;
   reduce_hooks_.follow(own_parameters());
@@ -162,19 +150,16 @@ std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
     const std::optional<at::Device>& device) const {
   auto copy = torch::nn::Cloneable<GroupedLinearImpl>::clone(device);
   auto& layer = static_cast<GroupedLinearImpl&>(*copy);
-  // Cloneable copies parameters by name, each on its own; the expert lists must follow the copies,
-  // and experts tied to each other here share one copy there (as Python's deepcopy keeps them).
-  auto follow = [&](const char* what, const std::vector<torch::Tensor>& originals,
-                    std::vector<torch::Tensor>& copies) {
-    for (size_t i = 0; i < copies.size(); ++i) {
-      size_t first = 0;
-      while (!originals[first].is_same(originals[i])) ++first;
-      copies[i] = layer.parameters_[c10::str(what, first)];
-      if (first != i) layer.parameters_[c10::str(what, i)] = copies[i];
+  // Experts tied to each other here share one copy there (as Python's deepcopy keeps them).
+  for (const auto& [name, first] : detail::tied_parameter_names(*this)) {
+    const bool is_weight = name.rfind("weight", 0) == 0;
+    const int64_t expert = std::stoll(name.substr(is_weight ? 6 : 4));
+    if (is_weight) {
+      layer.tie_weight(expert, layer.parameters_[first]);
+    } else {
+      layer.tie_bias(expert, layer.parameters_[first]);
     }
-  };
-  follow("weight", weights, layer.weights);
-  follow("bias", biases, layer.biases);
+  }
   if (!options.name().empty()) {
     layer.options.name(c10::str(options.name(), "#", layer.layer_->id()));
     layer.layer_->set_name(layer.options.name());

@@ -212,6 +212,10 @@ std::shared_ptr<torch::nn::Module> LayerNormLinearImpl::clone(
     const std::optional<at::Device>& device) const {
   auto copy = torch::nn::Cloneable<LayerNormLinearImpl>::clone(device);
   auto& module = static_cast<LayerNormLinearImpl&>(*copy);
+  // Cloneable copies each name apart: ties among this module's own parameters are made again.
+  for (const auto& [name, first] : detail::tied_parameter_names(*this)) {
+    module.tie_parameter(name, module.parameters_[first]);
+  }
   if (!options.name().empty()) {  // reset() gave the copy its own registration: name it apart
     module.options.name(c10::str(options.name(), "#", module.layer_->id()));
     module.layer_->set_name(module.options.name());
@@ -355,6 +359,10 @@ std::shared_ptr<torch::nn::Module> LayerNormMLPImpl::clone(
     const std::optional<at::Device>& device) const {
   auto copy = torch::nn::Cloneable<LayerNormMLPImpl>::clone(device);
   auto& module = static_cast<LayerNormMLPImpl&>(*copy);
+  // Cloneable copies each name apart: ties among this module's own parameters are made again.
+  for (const auto& [name, first] : detail::tied_parameter_names(*this)) {
+    module.tie_parameter(name, module.parameters_[first]);
+  }
   if (!options.name().empty()) {  // reset() gave the copy its own registration: name it apart
     module.options.name(c10::str(options.name(), "#", module.layer_->id()));
     module.layer_->set_name(module.options.name());

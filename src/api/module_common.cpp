@@ -50,8 +50,8 @@ std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Te
   }
   at::Tensor buffer = main_grad(param);
   if (!buffer.defined() && !required) return std::nullopt;
-  TORCH_CHECK_VALUE(buffer.defined(), "splitgrad layer '", layer.name(),
-                    "': fuse_wgrad_accumulation=true needs the ", what,
+  TORCH_CHECK_VALUE(buffer.defined(), layer_label(layer.id(), gemm),
+                    ": fuse_wgrad_accumulation=true needs the ", what,
                     "'s main_grad (an fp32 tensor of shape ", param.sizes(),
                     "); set it with splitgrad::set_main_grad()");
   // set_main_grad() checked it, but a buffer can change after that (resize_).
@@ -62,21 +62,36 @@ std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Te
 void check_tie(const LayerHandle& layer, const std::string& call, const std::string& what,
                const at::Tensor& current, const at::Tensor& tied) {
   const std::string who = c10::str("splitgrad layer '", layer.name(), "': ", call);
-  TORCH_CHECK_VALUE(tied.defined(), who, " expected a ", what, " of shape ", current.sizes(),
-                    ", got an undefined tensor");
-  TORCH_CHECK_VALUE(tied.sizes() == current.sizes(), who, " expected a ", what, " of shape ",
-                    current.sizes(), ", got ", tied.sizes());
+  TORCH_CHECK_VALUE(tied.defined(), who, " expected a tensor of shape ", current.sizes(), " for ",
+                    what, ", got an undefined tensor");
+  TORCH_CHECK_VALUE(tied.sizes() == current.sizes(), who, " expected a tensor of shape ",
+                    current.sizes(), " for ", what, ", got ", tied.sizes());
   // A deferred gradient is added to the tied tensor's own .grad: for a non-leaf (a view such as
   // other->weight.t()) it would never reach the parameter behind it.
   TORCH_CHECK_VALUE(tied.is_leaf(), who,
                     " expected a parameter (a leaf tensor), got a non-leaf tensor (a view or the "
                     "result of an op, such as other->weight.t()). Tie to the parameter itself; for "
                     "a transposed tie, use torch::nn::functional::linear(x, other->weight.t()).");
-  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a ", what,
-                   " of dtype ", dtype_name(current.scalar_type()), " (the layer's), got ",
+  TORCH_CHECK_TYPE(tied.scalar_type() == current.scalar_type(), who, " expected a tensor of dtype ",
+                   dtype_name(current.scalar_type()), " for ", what, " (the layer's), got ",
                    dtype_name(tied.scalar_type()));
-  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a ", what, " on ",
-                    current.device(), " (the layer's device), got ", tied.device());
+  TORCH_CHECK_VALUE(tied.device() == current.device(), who, " expected a tensor on ",
+                    current.device(), " for ", what, " (the layer's device), got ", tied.device());
+}
+
+std::vector<std::pair<std::string, std::string>> tied_parameter_names(
+    const torch::nn::Module& module) {
+  const auto params = module.named_parameters(/*recurse=*/false);
+  std::vector<std::pair<std::string, std::string>> ties;
+  for (size_t i = 0; i < params.size(); ++i) {
+    for (size_t first = 0; first < i; ++first) {
+      if (params[first].value().is_same(params[i].value())) {
+        ties.emplace_back(params[i].key(), params[first].key());
+        break;
+      }
+    }
+  }
+  return ties;
 }
 
 void ModuleReduceHooks::install(const GradReadyHook& hook, const std::vector<at::Tensor>& params) {

@@ -4,10 +4,13 @@
 // the fused main_grad lookup and the checks of a tie.
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "splitgrad/deferred.h"
 
@@ -40,5 +43,10 @@ std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Te
 /// messages: "tie_weight"): a defined leaf of its shape, dtype and device.
 void check_tie(const LayerHandle& layer, const std::string& call, const std::string& what,
                const at::Tensor& current, const at::Tensor& tied);
+
+/// The ties among `module`'s own parameters, for clone(): each name whose tensor an earlier name
+/// also holds, with that earlier name. (torch::nn::Cloneable copies each name apart.)
+std::vector<std::pair<std::string, std::string>> tied_parameter_names(
+    const torch::nn::Module& module);
 
 }  // namespace splitgrad::detail

@@ -26,10 +26,16 @@ __device__ inline void check_splits_or_stop(const int64_t* splits, int64_t group
       printf("splitgrad grouped GEMM: m_splits[%lld] = %lld is negative\n",
              static_cast<long long>(g), static_cast<long long>(split));
       bad = true;
+    } else if (split > INT64_MAX - total) {  // a huge split must not wrap around to `rows`
+      printf("splitgrad grouped GEMM: m_splits[%lld] = %lld takes the sum past the int64 range\n",
+             static_cast<long long>(g), static_cast<long long>(split));
+      bad = true;
+      break;
+    } else {
+      total += split;
     }
-    total += split;
   }
-  if (total != rows) {
+  if (!bad && total != rows) {
     printf("splitgrad grouped GEMM: m_splits sum to %lld, expected the input's %lld rows\n",
            static_cast<long long>(total), static_cast<long long>(rows));
     bad = true;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <limits>
 
 namespace splitgrad::detail {
 
@@ -280,6 +281,11 @@ std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t ro
   for (size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK_VALUE(sizes[i] >= 0, who(), ": expected non-negative m_splits, got m_splits[", i,
                       "] = ", sizes[i], " (m_splits = [", c10::Join(", ", sizes), "])");
+    // Splits near INT64_MAX must not wrap around to the right total.
+    TORCH_CHECK_VALUE(sizes[i] <= std::numeric_limits<int64_t>::max() - total, who(),
+                      ": expected m_splits to sum to the input's ", rows,
+                      " rows (tokens), got a sum past the int64 range at m_splits[", i, "] = ",
+                      sizes[i], " (m_splits = [", c10::Join(", ", sizes), "])");
     total += sizes[i];
   }
   TORCH_CHECK_VALUE(total == rows, who(), ": expected m_splits to sum to the input's ", rows,

@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <atomic>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -230,6 +231,11 @@ TEST(GroupedLinearErrors, BadSplitsNameTheLayerAndQueueNothing) {
   EXPECT_CONTAINS(message, "splitgrad layer 'moe.experts'");
   EXPECT_CONTAINS(message,
                   "expected m_splits to sum to the input's 5 rows (tokens), got a sum of 6");
+  // 2 * INT64_MAX + 7 wraps around to 5 in int64: refused, not run.
+  const int64_t huge = std::numeric_limits<int64_t>::max();
+  message = error_message([&] { experts(x, torch::tensor(std::vector<int64_t>{huge, huge, 7})); });
+  EXPECT_CONTAINS(message, "splitgrad layer 'moe.experts'");
+  EXPECT_CONTAINS(message, "got a sum past the int64 range at m_splits[1]");
   message = error_message([&] { experts(x, torch::tensor({6, -1, 0})); });
   EXPECT_CONTAINS(message, "expected non-negative m_splits, got m_splits[1] = -1");
   message = error_message([&] { experts(x, torch::tensor({5, 0})); });

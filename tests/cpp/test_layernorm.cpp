@@ -457,7 +457,8 @@ TEST(LayerNormModules, MisuseGetsErrorsNamingTheModule) {
   EXPECT_CONTAINS(msg, "tie_parameter expected one of layer_norm_weight");
   msg = error_message([&] { m->tie_parameter("fc1_weight", m->fc2_weight); });
   EXPECT_CONTAINS(msg,
-                  "'mlp': tie_parameter(\"fc1_weight\") expected a fc1_weight of shape [12, 8]");
+                  "'mlp': tie_parameter(\"fc1_weight\") expected a tensor of shape [12, 8] for "
+                  "fc1_weight");
   LayerNormLinear rms(
       LayerNormLinearOptions(8, 8).normalization("RMSNorm").name("qkv").device(torch::kCPU));
   msg = error_message([&] { rms->tie_parameter("layer_norm_bias", torch::zeros({8})); });
@@ -501,7 +502,7 @@ TEST(LayerNormModules, GemmErrorsNameTheModuleAndTheGemm) {
   m = fresh(/*fused=*/true);
   splitgrad::set_main_grad(m->fc1_weight, torch::zeros({kFfn, kHidden}));
   EXPECT_CONTAINS(error_message([&] { m->forward(x); }),
-                  "'blocks.0.mlp': fuse_wgrad_accumulation=true needs the fc2_weight's main_grad");
+                  "'blocks.0.mlp' (fc2): fuse_wgrad_accumulation=true needs the fc2_weight's main_grad");
   EXPECT_EQ(splitgrad::pending_wgrads(), 0);
 }
 
@@ -525,6 +526,36 @@ TEST(LayerNormModules, DefaultNamesCopiesAndGuards) {
   std::ostringstream printed;
   printed << *unnamed;
   EXPECT_CONTAINS(printed.str(), "splitgrad::LayerNormMLP(hidden_size=8, ffn_hidden_size=12");
+}
+
+// clone() copies each parameter apart (torch::nn::Cloneable); ties among the module's own
+// parameters must hold in the copy too, as Python's deepcopy keeps them.
+TEST(LayerNormModules, CloneKeepsTiesAmongItsOwnParameters) {
+  LayerNormMLP mlp(LayerNormMLPOptions(kHidden, kHidden).activation("relu").device(torch::kCPU));
+  randomize(*mlp);
+  mlp->tie_parameter("fc2_weight", mlp->fc1_weight);
+  mlp->tie_parameter("fc2_bias", mlp->layer_norm_bias);
+  auto copy = std::dynamic_pointer_cast<splitgrad::LayerNormMLPImpl>(mlp->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(copy->fc2_weight.is_same(copy->fc1_weight));
+  EXPECT_TRUE(copy->fc2_bias.is_same(copy->layer_norm_bias));
+  EXPECT_TRUE(copy->named_parameters()["fc2_weight"].is_same(copy->fc1_weight));
+  EXPECT_FALSE(copy->fc1_weight.is_same(mlp->fc1_weight)) << "a clone has its own tensors";
+  EXPECT_EQ(splitgrad::unique_parameters(*copy).size(), splitgrad::unique_parameters(*mlp).size());
+
+  // Both uses of the shared tensor add up in the copy, as in the original.
+  const auto x = torch::randn({5, kHidden});
+  mlp->forward(x).pow(2).sum().backward();
+  copy->forward(x).pow(2).sum().backward();
+  EXPECT_TRUE(Bitwise(copy->fc1_weight.grad(), mlp->fc1_weight.grad()));
+  EXPECT_TRUE(Bitwise(copy->layer_norm_bias.grad(), mlp->layer_norm_bias.grad()));
+
+  LayerNormLinear qkv(LayerNormLinearOptions(kHidden, kHidden).device(torch::kCPU));
+  qkv->tie_parameter("bias", qkv->layer_norm_bias);
+  auto qkv_copy = std::dynamic_pointer_cast<splitgrad::LayerNormLinearImpl>(qkv->clone());
+  ASSERT_TRUE(qkv_copy);
+  EXPECT_TRUE(qkv_copy->bias.is_same(qkv_copy->layer_norm_bias));
+  EXPECT_FALSE(qkv_copy->weight.is_same(qkv_copy->bias));
 }
 
 }  // namespace

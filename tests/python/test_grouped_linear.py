@@ -462,6 +462,9 @@ def test_grad_ready_hook_after_last_contribution_with_tied_linear():
     [
         ([3, 1, 1, 1, 1], splitgrad.ArgumentError, r"to sum to the input's 6 rows \(tokens\), got a sum of 7"),
         ([3, -1, 2, 1, 1], splitgrad.ArgumentError, r"non-negative m_splits, got m_splits\[1\] = -1"),
+        # 2 * INT64_MAX + 8 wraps around to the 6 rows in int64: refused, not run
+        ([2**63 - 1, 2**63 - 1, 8, 0, 0], splitgrad.ArgumentError, r"past the int64 range at m_splits\[1\]"),
+        (torch.tensor([2**63 - 1, 2**63 - 1, 8, 0, 0]), splitgrad.ArgumentError, r"past the int64 range at m_splits\[1\]"),
         ([3, 3], splitgrad.ArgumentError, "expected 5 splits"),
         (torch.tensor([3, 3]), splitgrad.ArgumentError, "expected 5 splits"),
         (torch.tensor([[3, 3, 0, 0, 0]]), splitgrad.ArgumentError, r"1-D m_splits, got shape \[1, 5\]"),
