@@ -110,7 +110,8 @@ class GroupedLinear(_DeferredWgradModule):
             # without bias, bias{i} is None (nn.Linear's way): getattr works, no parameter is listed
             self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)) if bias else None)
         self._register(name)
-        self.reset_parameters(init_method)
+        self.init_method = init_method  # kept, as TE keeps it: reset_parameters() after to_empty()
+        self.reset_parameters()
 
     def _deferred_parameter_names(self) -> list[str]:
         return [f"{kind}{i}" for kind in ("weight", "bias") for i in range(self.num_gemms)]
@@ -129,11 +130,12 @@ class GroupedLinear(_DeferredWgradModule):
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
-        """Each expert as nn.Linear (or ``init_method(weight_i)``), expert by expert."""
+        """Each expert as nn.Linear (or ``init_method(weight_i)``, by default the one given at
+        construction), expert by expert."""
         biases = self.biases or [None] * self.num_gemms
         with self._init_rng():
             for weight, bias in zip(self.weights, biases):
-                _reset_linear(weight, bias, init_method)
+                _reset_linear(weight, bias, init_method or self.init_method)
 
     def _splits_tensor(self, m_splits) -> torch.Tensor:
         """m_splits as the op takes it: an int64 tensor. A list of ints or an integer numpy array

@@ -588,14 +588,17 @@ class Linear(_DeferredWgradModule):
         else:
             self.register_parameter("bias", None)
         self._register(name)
-        self.reset_parameters(init_method)
+        self.init_method = init_method  # kept, as TE keeps it: reset_parameters() after to_empty()
+        self.reset_parameters()
 
     def _default_name(self, layer_id) -> str:
         return f"Linear({self.in_features}, {self.out_features})#{layer_id}"
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
+        """Draws the parameters again: the weight by ``init_method``, else by the one given at
+        construction, else as nn.Linear; the bias as nn.Linear."""
         with self._init_rng():
-            _reset_linear(self.weight, self.bias, init_method)
+            _reset_linear(self.weight, self.bias, init_method or self.init_method)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False,
                 fp8_grad: bool = False) -> torch.Tensor:

@@ -608,14 +608,26 @@ def _train_step(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 MODULES = ["Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"]
 
 
+def _init_methods(kind: str, init: str) -> dict:
+    """TE's init keywords: Megatron's normal(0, 0.02) and a scaled one for the output layer."""
+    if init == "default":
+        return {}
+    methods = {"init_method": lambda w: nn.init.normal_(w, std=0.02)}
+    if kind == "LayerNormMLP":
+        methods["output_layer_init_method"] = lambda w: nn.init.normal_(w, std=0.005)
+    return methods
+
+
+@pytest.mark.parametrize("init", ["default", "init_method"])
 @pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
 @pytest.mark.parametrize("kind", MODULES)
-def test_meta_device_context_then_to_empty_trains_like_an_eager_module(kind, delay):
+def test_meta_device_context_then_to_empty_trains_like_an_eager_module(kind, delay, init):
     """``with torch.device("meta")`` (large-model init, as nn.Linear honours it): device=None takes
     the context's device, nothing is allocated; ``to_empty`` + ``reset_parameters`` then give the
-    module an eager-built one gets (same seed), and it trains identically (bit for bit)."""
+    module an eager-built one gets (same seed; by the init_method given at construction, as TE
+    keeps it), and it trains identically (bit for bit)."""
     with torch.device("meta"):
-        lazy = _build(kind, delay_wgrad_compute=delay)
+        lazy = _build(kind, delay_wgrad_compute=delay, **_init_methods(kind, init))
         plain = nn.Linear(8, 6)
     assert plain.weight.is_meta
     assert all(p.is_meta for p in lazy.parameters())
@@ -623,7 +635,10 @@ def test_meta_device_context_then_to_empty_trains_like_an_eager_module(kind, del
     torch.manual_seed(0)
     lazy.reset_parameters()
     torch.manual_seed(0)
-    eager = _build(kind, delay_wgrad_compute=delay, device="cpu")
+    eager = _build(kind, delay_wgrad_compute=delay, device="cpu", **_init_methods(kind, init))
+    if init != "default":  # the methods drew the weights, not nn.Linear's bound of 1/sqrt(8)
+        assert max(p.abs().max().item() for n, p in eager.named_parameters() if "weight" in n
+                   and "layer_norm" not in n) < 0.15
     for (name, p), q in zip(lazy.named_parameters(), eager.parameters()):
         assert p.device.type == "cpu"
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
