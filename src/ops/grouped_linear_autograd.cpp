@@ -168,10 +168,18 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       any_bias_wanted |= static_cast<bool>(bias_wanted[i]);
     }
 
-    if (at::GradMode::is_enabled()) {
+    // autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run this backward under
+    // the legacy vmap (torch.func's vmap also reaches here), whose fallback cannot batch ops
+    // taking tensor lists (the grouped ops): there, as for create_graph, ATen ops per group, and
+    // every gradient is returned (a batched backward accumulates nothing).
+    const bool batched = grad_output.defined() &&
+                         (grad_output.key_set().has(c10::DispatchKey::Batched) ||
+                          grad_output.key_set().has(c10::DispatchKey::FuncTorchBatched));
+    const bool create_graph = at::GradMode::is_enabled();
+    if (create_graph || batched) {
       // backward(create_graph=True): differentiable ATen ops per group (the splits are read on
       // the host: this path is not the hot one).
-      for (size_t i = 0; i < groups; ++i) {
+      for (size_t i = 0; i < groups && create_graph; ++i) {
         check_no_fused_double_backward(
             [&] { return who_of(layer); },
             (weight_wanted[i] && (entry(weight_main_grads, i).defined() || lazy_main_grad)) ||
@@ -185,7 +193,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       if (ctx->needs_input_grad(0)) {
         std::vector<at::Tensor> dxs;
         for (size_t i = 0; i < groups; ++i) {
-          const bool fused = entry(weight_main_grads, i).defined() || lazy_main_grad;
+          const bool fused =
+              create_graph && (entry(weight_main_grads, i).defined() || lazy_main_grad);
           dxs.push_back(at::mm(
               dys[i], fused ? refuse_second_order_weight_grad([&] { return who_of(layer); },
                                                               weight_values[i])

@@ -985,6 +985,34 @@ def test_torch_func_transforms_match_per_expert_linear(delay, fused):
         torch.func.grad(lambda x: layer(x, [1, 1, 1]).sum())(x)
 
 
+@pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (True, True)])
+def test_batched_backward_matches_per_expert_linear(delay, fused):
+    """autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run the backward under
+    vmap (which cannot batch the grouped ops' tensor lists): gradients as a per-expert nn.Linear
+    model's, returned (input and expert weights), nothing queued or written."""
+    layer = _layer(delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused, n=3)
+    if fused:
+        for p in layer.parameters():
+            p.main_grad = torch.zeros_like(p)
+    reference = to_reference(layer)
+    splits = [2, 0, 3]
+    x = torch.randn(5, IN, requires_grad=True)
+    vectors = torch.randn(4, 5, OUT)
+    wanted = [x, layer.weight0, layer.bias2]
+    got = torch.autograd.grad(layer(x, splits), wanted, vectors, is_grads_batched=True)
+    want = torch.autograd.grad(reference(x, splits), [x, reference.weight0, reference.bias2], vectors,
+                               is_grads_batched=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.autograd.functional.jacobian(lambda t: layer(t, splits), x, vectorize=True),
+        torch.autograd.functional.jacobian(lambda t: reference(t, splits), x, vectorize=True), rtol=0, atol=0)
+    assert splitgrad.pending_wgrads() == 0
+    assert all(p.grad is None for p in layer.parameters())
+    if fused:
+        assert all(not p.main_grad.any() for p in layer.parameters())
+
+
 def test_fused_experts_differentiated_inside_a_transform_say_where_the_gradient_goes():
     """As splitgrad.Linear: a fused layer's own parameters differentiated through a torch.func
     transform get plain autograd's gradient in .grad (the transform runs F.linear): a warning
