@@ -59,6 +59,9 @@ struct DeferredWgrad {
   /// The stream current when the item was queued (the backward's): the stashed tensors were made
   /// on it. Work run on another stream must keep them from the allocator until it has read them.
   c10::Stream stream{c10::Stream::DEFAULT, c10::Device(c10::kCPU)};
+  /// The backward that queued it ran under anomaly detection with check_nan (autograd checks
+  /// the gradients it computes for nan; backward_dw() checks this item's likewise).
+  bool check_nan = false;
 
   /// A grouped application: rows [offset_i, offset_i + m_splits[i]) of input and grad_output
   /// belong to group i (offset_i: the sum of the splits before i), whose targets are groups[i];

@@ -5,6 +5,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 
@@ -472,6 +474,32 @@ bool defers_wgrad(bool delay, core::LayerId layer) {
   return delay && WgradStore::instance().is_registered(layer);
 }
 
+bool anomaly_checks_nan() {
+  return torch::autograd::AnomalyMode::is_enabled() &&
+         torch::autograd::AnomalyMode::should_check_nan();
+}
+
+std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
+                         const std::vector<WgradSinks>& sinks, bool numbered, const char* what) {
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    const std::string suffix = numbered ? std::to_string(i) : std::string();
+    for (const auto& [param, main_grad, name] :
+         {std::tuple<const at::Tensor&, const at::Tensor&, const char*>{
+              sinks[i].weight, sinks[i].weight_main_grad, "weight"},
+          {sinks[i].bias, sinks[i].bias_main_grad, "bias"}}) {
+      if (!param.defined()) continue;
+      const at::Tensor written = main_grad.defined() ? main_grad : param.grad();
+      if (written.defined() && at::isnan(written).any().item<bool>()) {
+        return c10::str(layer_label(layer, gemm), ": ", what, " wrote nan values into ", name,
+                        suffix, "'s ", main_grad.defined() ? "main_grad" : ".grad",
+                        " (anomaly detection with check_nan=True, which plain autograd reports as "
+                        "a backward Function that \"returned nan values\")");
+      }
+    }
+  }
+  return std::string();
+}
+
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
@@ -511,6 +539,10 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     } else {
       accumulate_wgrad(grad_output, input, sinks[0]);
     }
+    if (anomaly_checks_nan()) {
+      const std::string nan = nan_in_sinks(layer, gemm, sinks, grouped, "the fused weight gradient");
+      TORCH_CHECK(nan.empty(), nan);
+    }
     return;
   }
   // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
@@ -531,6 +563,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     item.m_splits_version = m_splits._version();
   }
   item.stream = current_stream_of(input);
+  item.check_nan = anomaly_checks_nan();
   ledger.expect_deferred(item.targets(), pass.id());
   WgradStore::instance().push(std::move(item));
 }
@@ -931,6 +964,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
         }
       }
     }
+    std::string nan;  // reported once the item has landed, as autograd's check stops a backward
     try {
       if (item.groups.empty()) {
         const detail::WgradSinks& single = sinks.front();
@@ -947,6 +981,10 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
         }
       } else {
         detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks);
+      }
+      if (item.check_nan || detail::anomaly_checks_nan()) {
+        nan = detail::nan_in_sinks(item.layer, item.gemm, sinks, !item.groups.empty(),
+                                   "backward_dw() (the deferred weight gradient)");
       }
     } catch (...) {
       keep_until_read(item);  // some of its kernels may have been enqueued
@@ -972,6 +1010,10 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     }
     const detail::ReferenceBatch references;
     targets.clear();
+    if (!nan.empty()) {  // the items not run yet stay queued
+      restore_after(i);
+      TORCH_CHECK(false, nan);
+    }
   }
 }
 

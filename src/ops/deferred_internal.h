@@ -106,6 +106,13 @@ bool defers_wgrad(bool delay, core::LayerId layer);
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
 /// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.
+/// Whether anomaly detection with check_nan is on (torch.autograd.set_detect_anomaly(True)).
+bool anomaly_checks_nan();
+/// A message naming the first of `sinks`' targets (main_grad, else .grad) that holds a nan after
+/// `what` wrote it ("weight2" with `numbered`), or "" if none does. Reads the values (a sync).
+std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
+                         const std::vector<WgradSinks>& sinks, bool numbered, const char* what);
+
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
