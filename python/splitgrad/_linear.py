@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import _C
 from ._deferred import check_no_pending, grad_ready_pass, register_grad_ready_hook
-from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarning
+from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
 
 __all__ = ["Linear", "name_layers"]
 
@@ -472,9 +472,23 @@ class _DeferredWgradModule(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # .to()/.cuda()/.half(), to_empty() after a meta-device init: where PyTorch makes new
-        # Parameter objects (it cannot set .data across some devices or under
-        # swap_module_params_on_conversion), TE's mark and the reduce hooks move to them.
+        # Parameter objects (it cannot set .data across some devices, nor under
+        # set_overwrite_module_params_on_conversion), it moves each .grad to the new object; the
+        # deferred work still owed to the old one, TE's mark and the reduce hooks move with it.
+        own = {name: p for name, p in self._parameters.items() if p is not None} if "_layer" in self.__dict__ else {}
+        if own and torch.__future__.get_swap_module_params_on_conversion():
+            pending = _C.layers_with_pending_wgrads(list(own.values()))
+            if pending:  # (PyTorch cannot swap a tensor the queue refers to: refused before any is)
+                raise PendingWgradError(
+                    f"splitgrad layer '{self.name}': converting the module under "
+                    "torch.__future__.set_swap_module_params_on_conversion(True) swaps its parameters, "
+                    f"which have deferred wgrad pending (layers {', '.join(repr(n) for n in pending)}): "
+                    "call backward_dw() first. Nothing of this module was converted.")
         result = super()._apply(fn, recurse)
+        for name, old in own.items():
+            new = self._parameters.get(name)
+            if new is not None and new is not old:
+                _C.follow_replaced_parameter(old, new)
         if "_layer" in self.__dict__:
             for name in self._deferred_parameter_names():
                 self._mark_deferred(getattr(self, name, None))

@@ -474,6 +474,14 @@ bool defers_wgrad(bool delay, core::LayerId layer) {
   return delay && WgradStore::instance().is_registered(layer);
 }
 
+void follow_replaced_parameter(const at::Tensor& old_param, const at::Tensor& replacement) {
+  TORCH_CHECK_VALUE(old_param.defined() && replacement.defined(),
+                    "follow_replaced_parameter: expected two defined parameters");
+  if (old_param.is_same(replacement)) return;
+  WgradStore::instance().follow(old_param, replacement);
+  GradLedger::instance().follow(old_param, replacement);
+}
+
 bool anomaly_checks_nan() {
   return torch::autograd::AnomalyMode::is_enabled() &&
          torch::autograd::AnomalyMode::should_check_nan();

@@ -106,6 +106,11 @@ bool defers_wgrad(bool delay, core::LayerId layer);
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
 /// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.
+/// A module conversion (torch.__future__.set_overwrite_module_params_on_conversion) replaced
+/// parameter `old_param` by the new tensor object `replacement`, and moved its .grad there: the
+/// deferred work queued for `old_param`, and what its passes owe, go to `replacement` too.
+void follow_replaced_parameter(const at::Tensor& old_param, const at::Tensor& replacement);
+
 /// Whether anomaly detection with check_nan is on (torch.autograd.set_detect_anomaly(True)).
 bool anomaly_checks_nan();
 /// A message naming the first of `sinks`' targets (main_grad, else .grad) that holds a nan after

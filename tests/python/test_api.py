@@ -712,6 +712,75 @@ def test_to_empty_keeps_te_marks_and_reduce_hooks(kind):
     assert sorted(map(id, fired)) == sorted(map(id, params))
 
 
+@contextlib.contextmanager
+def _conversion_mode(flag: str):
+    """torch.__future__'s overwrite_module_params_on_conversion or swap_module_params_on_conversion."""
+    getter, setter = (getattr(torch.__future__, f"{verb}_{flag}_module_params_on_conversion") for verb in ("get", "set"))
+    before = getter()
+    setter(True)
+    try:
+        yield
+    finally:
+        setter(before)
+
+
+def _forward(kind, module, x):
+    return module(x, [1, 2, 2]) if kind == "GroupedLinear" else module(x)
+
+
+@pytest.mark.parametrize("conversion", ["double", "float"])
+@pytest.mark.parametrize("kind", MODULES)
+def test_a_conversion_that_replaces_the_parameters_carries_their_pending_work(kind, conversion):
+    """Under set_overwrite_module_params_on_conversion, .double() (even a .float() that changes
+    nothing) makes new Parameter objects and moves each .grad there: the deferred work still owed
+    to the old objects lands on the new ones, as plain autograd's gradient moved, and the module's
+    reduce hooks fire once for each new parameter."""
+    module = _build(kind, delay_wgrad_compute=True, device="cpu")
+    reference = to_reference(module)
+    fired = []
+    module.register_wgrad_accumulation_and_reduce_hooks(lambda p: fired.append(p))
+    x = torch.randn(5, 8)
+    for m in (module, reference):
+        out = _forward(kind, m, x)
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    before = list(module.parameters())
+    fired_in_backward = len(fired)  # a norm's parameters (not deferred)
+    with _conversion_mode("overwrite"):
+        getattr(module, conversion)()
+        getattr(reference, conversion)()
+    after = list(module.parameters())
+    assert all(p is not q for p, q in zip(after, before)), "the conversion made new Parameter objects"
+    deferred = [getattr(module, n) for n in module._deferred_parameter_names() if getattr(module, n, None) is not None]
+    assert splitgrad.pending_wgrads() > 0 and fired_in_backward == len(after) - len(deferred)
+    module.backward_dw()
+    assert sorted(map(id, fired[fired_in_backward:])) == sorted(map(id, deferred))
+    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_a_swapping_conversion_with_pending_work_is_refused_before_anything_converts(kind):
+    """Under set_swap_module_params_on_conversion, PyTorch cannot swap a parameter the deferred
+    queue refers to: a typed error before any of the module's parameters is converted, not a
+    half-converted module; after backward_dw() the conversion runs."""
+    module = _build(kind, delay_wgrad_compute=True, device="cpu", name="blocks.0.fc")
+    reference = to_reference(module)
+    x = torch.randn(5, 8)
+    for m in (module, reference):
+        _forward(kind, m, x).sum().backward()
+    with _conversion_mode("swap"):
+        with pytest.raises(splitgrad.PendingWgradError, match=r"'blocks.0.fc'.*call backward_dw\(\) first"):
+            module.double()
+        assert all(p.dtype == torch.float32 for p in module.parameters())
+        module.backward_dw()
+        module.double()
+        reference.double()
+    assert all(p.dtype == torch.float64 for p in module.parameters())
+    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("kind", MODULES)
 def test_device_none_honours_a_default_device_and_an_explicit_device_wins(kind):
     torch.set_default_device("meta")
