@@ -389,6 +389,14 @@ class _DeferredWgradModule(nn.Module):
             main_grad = getattr(param, "main_grad", None)
             if main_grad is None and not required:
                 return None
+            if main_grad is None and not param.is_leaf:
+                raise MainGradError(
+                    f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "
+                    f"but {what} is computed here (torch.nn.utils.prune, a parametrization, or a "
+                    "functional_call substitute made it from other tensors), and a computed tensor "
+                    "takes no main_grad: its gradient flows on to the tensors it came from. Build "
+                    "the layer with fuse_wgrad_accumulation=False to train it that way"
+                )
             if main_grad is None:
                 raise MainGradError(
                     f"splitgrad layer '{self.name}': fuse_wgrad_accumulation=True needs {what}.main_grad, "

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 
 import splitgrad
 from sg_helpers import to_reference
@@ -84,6 +84,23 @@ def test_non_leaf_weight_gets_its_gradient_to_the_originals(delay, how):
         assert mine.grad is not None
         exact(mine.grad, theirs.grad)
     exact(model.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.parametrize("how", ["prune", "parametrize"])
+def test_a_fused_computed_weight_is_refused_saying_why(how):
+    """fuse_wgrad_accumulation needs the weight's main_grad; a pruned or parametrized weight is
+    computed, and a main_grad on the leaf behind it does not help: the error says so (not "it is
+    not set"), before anything runs."""
+    model = splitgrad.Linear(D, D, device="cpu", fuse_wgrad_accumulation=True, name="proj")
+    if how == "prune":
+        prune.l1_unstructured(model, "weight", 0.3)
+    else:
+        parametrize.register_parametrization(model, "weight", Double())
+    for p in model.parameters():  # every leaf has one, the leaf behind the weight included
+        p.main_grad = torch.zeros_like(p)
+    with pytest.raises(splitgrad.MainGradError, match=r"'proj'.*needs weight.main_grad, but weight is computed"):
+        model(torch.randn(3, D))
+    assert splitgrad.pending_wgrads() == 0
 
 
 # 2. Autocast ----------------------------------------------------------------------------------
