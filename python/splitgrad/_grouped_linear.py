@@ -110,7 +110,7 @@ class GroupedLinear(_DeferredWgradModule):
             # without bias, bias{i} is None (nn.Linear's way): getattr works, no parameter is listed
             self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(out_features, **factory)) if bias else None)
         self._register(name)
-        self.init_method = init_method  # kept, as TE keeps it: reset_parameters() after to_empty()
+        self._keep_init_methods(init_method=init_method)  # as TE: reset_parameters() after to_empty()
         self.reset_parameters()
 
     def _deferred_parameter_names(self) -> list[str]:
@@ -135,7 +135,7 @@ class GroupedLinear(_DeferredWgradModule):
         biases = self.biases or [None] * self.num_gemms
         with self._init_rng():
             for weight, bias in zip(self.weights, biases):
-                _reset_linear(weight, bias, init_method or self.init_method)
+                _reset_linear(weight, bias, self._init_method("init_method", init_method))
 
     def _splits_tensor(self, m_splits) -> torch.Tensor:
         """m_splits as the op takes it: an int64 tensor. A list of ints or an integer numpy array

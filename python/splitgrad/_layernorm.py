@@ -190,7 +190,7 @@ class LayerNormLinear(_NormedModule):
         else:
             self.register_parameter("bias", None)
         self._register(name)
-        self.init_method = init_method  # kept, as TE keeps it: reset_parameters() after to_empty()
+        self._keep_init_methods(init_method=init_method)  # as TE: reset_parameters() after to_empty()
         self.reset_parameters()
 
     def _default_name(self, layer_id) -> str:
@@ -201,7 +201,7 @@ class LayerNormLinear(_NormedModule):
         else as nn.Linear."""
         self._reset_norm()
         with self._init_rng():
-            _reset_linear(self.weight, self.bias, init_method or self.init_method)
+            _reset_linear(self.weight, self.bias, self._init_method("init_method", init_method))
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
@@ -291,8 +291,8 @@ class LayerNormMLP(_NormedModule):
             self.register_parameter(f"{prefix}_weight", nn.Parameter(torch.empty(shape, **factory)))
             self.register_parameter(f"{prefix}_bias", nn.Parameter(torch.empty(shape[0], **factory)) if bias else None)
         self._register(name)
-        # kept, as TE keeps them: reset_parameters() after to_empty()
-        self.init_method, self.output_layer_init_method = init_method, output_layer_init_method
+        # as TE: reset_parameters() after to_empty()
+        self._keep_init_methods(init_method=init_method, output_layer_init_method=output_layer_init_method)
         self.reset_parameters()
 
     def _deferred_parameter_names(self) -> list[str]:
@@ -307,8 +307,8 @@ class LayerNormMLP(_NormedModule):
         given at construction, else as nn.Linear."""
         self._reset_norm()
         with self._init_rng():
-            _reset_linear(self.fc1_weight, self.fc1_bias, init_method or self.init_method)
-            _reset_linear(self.fc2_weight, self.fc2_bias, output_layer_init_method or self.output_layer_init_method)
+            _reset_linear(self.fc1_weight, self.fc1_bias, self._init_method("init_method", init_method))
+            _reset_linear(self.fc2_weight, self.fc2_bias, self._init_method("output_layer_init_method", output_layer_init_method))
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None):
         """``fc2(act(fc1(norm(inp))))`` for ``inp`` of shape [*, hidden_size]; with

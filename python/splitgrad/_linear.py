@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import math
 import operator
+import pickle
 import threading
 import warnings
 import weakref
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import _C
 from ._deferred import check_no_pending, grad_ready_pass, register_grad_ready_hook
-from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradError, PendingWgradWarning
+from ._errors import ArgumentError, DTypeError, MainGradError, PendingWgradWarning
 
 __all__ = ["Linear", "name_layers"]
 
@@ -216,6 +217,28 @@ def _drop_te_extra_state(state_dict: dict, prefix: str) -> None:
     """A Transformer Engine module's state_dict has an ``_extra_state`` entry (its FP8 metadata,
     empty without FP8): splitgrad keeps none, so a TE checkpoint loads strictly without it."""
     state_dict.pop(prefix + "_extra_state", None)
+
+
+class _KeptInitMethod:
+    """An init_method kept for reset_parameters(), as TE keeps it. A deep copy shares it; pickling
+    (torch.save(model)) keeps it where it pickles (a module-level function, a functools.partial of
+    one) and drops it otherwise (a lambda, a closure such as Megatron's init_method_normal), so
+    the module still saves: reset_parameters() of the loaded copy then asks for it."""
+
+    __slots__ = ("fn", "dropped")
+
+    def __init__(self, fn=None, dropped=False):
+        self.fn, self.dropped = fn, dropped
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        try:
+            pickle.dumps(self.fn)
+        except Exception:  # pickle raises several types (PicklingError, AttributeError, TypeError)
+            return (_KeptInitMethod, (None, True))
+        return (_KeptInitMethod, (self.fn, self.dropped))
 
 
 class _DeferredWgradModule(nn.Module):
@@ -469,6 +492,22 @@ class _DeferredWgradModule(nn.Module):
                 call.watch(params)
                 self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
 
+    def _keep_init_methods(self, **methods) -> None:
+        for key, fn in methods.items():
+            self.__dict__[f"_kept_{key}"] = _KeptInitMethod(fn)
+
+    def _init_method(self, key: str, given):
+        """``given``, else the init method of that keyword kept at construction (None: nn.Linear's)."""
+        if given is not None:
+            return given
+        kept = self.__dict__.get(f"_kept_{key}")  # absent in a module pickled before it was kept
+        if kept is not None and kept.dropped:
+            raise ArgumentError(
+                f"splitgrad layer '{self.name}': the {key} given at construction could not be pickled "
+                f"(a lambda or a closure) and was not saved with the module; pass "
+                f"reset_parameters({key}=...)")
+        return kept.fn if kept is not None else None
+
     def _refresh_reduce_hooks(self) -> None:
         """A parameter frozen, unfrozen or replaced (without __setattr__) since the hooks were
         installed: hooks go where grads do."""
@@ -479,24 +518,17 @@ class _DeferredWgradModule(nn.Module):
             self._install_reduce_hooks()
 
     def _apply(self, fn, recurse=True):
-        # .to()/.cuda()/.half(), to_empty() after a meta-device init: where PyTorch makes new
-        # Parameter objects (it cannot set .data across some devices, nor under
-        # set_overwrite_module_params_on_conversion), it moves each .grad to the new object; the
-        # deferred work still owed to the old one, TE's mark and the reduce hooks move with it.
-        own = {name: p for name, p in self._parameters.items() if p is not None} if "_layer" in self.__dict__ else {}
-        if own and torch.__future__.get_swap_module_params_on_conversion():
-            pending = _C.layers_with_pending_wgrads(list(own.values()))
-            if pending:  # (PyTorch cannot swap a tensor the queue refers to: refused before any is)
-                raise PendingWgradError(
-                    f"splitgrad layer '{self.name}': converting the module under "
-                    "torch.__future__.set_swap_module_params_on_conversion(True) swaps its parameters, "
-                    f"which have deferred wgrad pending (layers {', '.join(repr(n) for n in pending)}): "
-                    "call backward_dw() first. Nothing of this module was converted.")
+        # .to()/.cuda()/.double(), to_empty(): PyTorch converts each parameter and its .grad, in
+        # place or into a new Parameter object (across some devices, under
+        # set_overwrite_module_params_on_conversion or swap_module_params_on_conversion), one per
+        # module holding it. The deferred work still owed to these parameters runs first, so their
+        # .grad is complete, as plain autograd's is, when PyTorch converts or copies it (to every
+        # copy of a tied parameter). TE's mark and the reduce hooks then follow new objects.
+        if "_layer" in self.__dict__ and _C.pending_wgrads():
+            own = [p for p in self._parameters.values() if p is not None]
+            if own and _C.layers_with_pending_wgrads(own):
+                _C.backward_dw_all(own)
         result = super()._apply(fn, recurse)
-        for name, old in own.items():
-            new = self._parameters.get(name)
-            if new is not None and new is not old:
-                _C.follow_replaced_parameter(old, new)
         if "_layer" in self.__dict__:
             for name in self._deferred_parameter_names():
                 self._mark_deferred(getattr(self, name, None))
@@ -610,7 +642,7 @@ class Linear(_DeferredWgradModule):
         else:
             self.register_parameter("bias", None)
         self._register(name)
-        self.init_method = init_method  # kept, as TE keeps it: reset_parameters() after to_empty()
+        self._keep_init_methods(init_method=init_method)  # as TE: reset_parameters() after to_empty()
         self.reset_parameters()
 
     def _default_name(self, layer_id) -> str:
@@ -620,7 +652,7 @@ class Linear(_DeferredWgradModule):
         """Draws the parameters again: the weight by ``init_method``, else by the one given at
         construction, else as nn.Linear; the bias as nn.Linear."""
         with self._init_rng():
-            _reset_linear(self.weight, self.bias, init_method or self.init_method)
+            _reset_linear(self.weight, self.bias, self._init_method("init_method", init_method))
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: bool | None = None, fp8_output: bool = False,
                 fp8_grad: bool = False) -> torch.Tensor:

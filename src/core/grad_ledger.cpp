@@ -246,30 +246,6 @@ int64_t GradLedger::pending_for(const at::Tensor& param) const {
   return owed;
 }
 
-void GradLedger::follow(const at::Tensor& old_param, const at::Tensor& replacement) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto from = params_.find(old_param.unsafeGetTensorImpl());
-  if (from == params_.end() || from->second.impl.expired()) return;
-  if (from->second.passes.empty() && from->second.dropped == 0) return;
-  std::unordered_map<PassId, PassState> passes = std::move(from->second.passes);
-  from->second.passes.clear();
-  const int64_t dropped = from->second.dropped;
-  from->second.dropped = 0;
-  ParamState& to = state_for(replacement);  // may rehash: `from` is not used after this
-  to.dropped += dropped;
-  const Key key = replacement.unsafeGetTensorImpl();
-  for (auto& [pass, state] : passes) {
-    auto [it, inserted] = to.passes.try_emplace(pass, state);
-    if (inserted) {
-      auto open = open_passes_.find(pass);
-      if (open != open_passes_.end()) open->second.push_back(key);
-    } else {
-      it->second.owed += state.owed;
-      it->second.incomplete |= state.incomplete;
-    }
-  }
-}
-
 int64_t GradLedger::dropped_for(const at::Tensor& param) const {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = params_.find(param.unsafeGetTensorImpl());

@@ -72,11 +72,6 @@ class GradLedger {
   /// of that pass that owes nothing more.
   void autograd_pass_finished(PassId pass);
 
-  /// Moves what `old_param`'s passes still owe (and its dropped count) to `replacement`, a new
-  /// tensor object PyTorch gave the parameter; the hooks stay with `old_param`, as PyTorch's own
-  /// hooks stay with the replaced object.
-  void follow(const at::Tensor& old_param, const at::Tensor& replacement);
-
   /// Deferred contributions still owed to `param`, over all passes.
   int64_t pending_for(const at::Tensor& param) const;
   /// Deferred contributions to `param` dropped so far (never decreases while `param` lives).

@@ -228,28 +228,6 @@ size_t WgradStore::pending(LayerId layer) const {
   return it == queues_.end() ? 0 : it->second.items.size();
 }
 
-size_t WgradStore::follow(const at::Tensor& old_param, const at::Tensor& replacement) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const c10::TensorImpl* old_impl = old_param.unsafeGetTensorImpl();
-  size_t changed = 0;
-  auto follow_target = [&](WeakTensor& target) {
-    if (target._unsafe_get_target() != old_impl) return;
-    target = weak_ref(replacement);
-    ++changed;
-  };
-  for (auto& [layer, queue] : queues_) {
-    for (DeferredWgrad& item : queue.items) {
-      follow_target(item.weight);
-      follow_target(item.bias);
-      for (GroupTargets& group : item.groups) {
-        follow_target(group.weight);
-        follow_target(group.bias);
-      }
-    }
-  }
-  return changed;
-}
-
 std::vector<LayerId> WgradStore::layers_with_pending(const std::vector<at::Tensor>& params) const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<LayerId> layers;

@@ -112,11 +112,6 @@ class WgradStore {
   /// a stashed tensor with a Python object takes the GIL).
   std::vector<DeferredWgrad> restore(std::vector<DeferredWgrad> items);
 
-  /// Makes the queued items that feed `old_param` feed `replacement` instead (a module conversion
-  /// gave the parameter a new tensor object: PyTorch moves its .grad there). Returns how many
-  /// targets changed.
-  size_t follow(const at::Tensor& old_param, const at::Tensor& replacement);
-
   /// Number of queued items, in all layers or in one.
   size_t pending() const;
   size_t pending(LayerId layer) const;

@@ -474,35 +474,43 @@ bool defers_wgrad(bool delay, core::LayerId layer) {
   return delay && WgradStore::instance().is_registered(layer);
 }
 
-void follow_replaced_parameter(const at::Tensor& old_param, const at::Tensor& replacement) {
-  TORCH_CHECK_VALUE(old_param.defined() && replacement.defined(),
-                    "follow_replaced_parameter: expected two defined parameters");
-  if (old_param.is_same(replacement)) return;
-  WgradStore::instance().follow(old_param, replacement);
-  GradLedger::instance().follow(old_param, replacement);
-}
-
 bool anomaly_checks_nan() {
   return torch::autograd::AnomalyMode::is_enabled() &&
          torch::autograd::AnomalyMode::should_check_nan();
 }
 
+namespace {
+// The gradient buffer a sink's parameter gets: its main_grad, else its .grad (maybe undefined).
+at::Tensor written_buffer(const at::Tensor& param, const at::Tensor& main_grad) {
+  return !param.defined() ? at::Tensor() : main_grad.defined() ? main_grad : param.grad();
+}
+
+bool has_nan(const at::Tensor& t) { return t.defined() && at::isnan(t).any().item<bool>(); }
+}  // namespace
+
+std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks) {
+  std::vector<bool> flags;
+  for (const WgradSinks& sink : sinks) {
+    flags.push_back(has_nan(written_buffer(sink.weight, sink.weight_main_grad)));
+    flags.push_back(has_nan(written_buffer(sink.bias, sink.bias_main_grad)));
+  }
+  return flags;
+}
+
 std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
-                         const std::vector<WgradSinks>& sinks, bool numbered, const char* what) {
+                         const std::vector<WgradSinks>& sinks, const std::vector<bool>& had_nan,
+                         bool numbered, const char* what) {
   for (size_t i = 0; i < sinks.size(); ++i) {
     const std::string suffix = numbered ? std::to_string(i) : std::string();
-    for (const auto& [param, main_grad, name] :
-         {std::tuple<const at::Tensor&, const at::Tensor&, const char*>{
-              sinks[i].weight, sinks[i].weight_main_grad, "weight"},
-          {sinks[i].bias, sinks[i].bias_main_grad, "bias"}}) {
-      if (!param.defined()) continue;
-      const at::Tensor written = main_grad.defined() ? main_grad : param.grad();
-      if (written.defined() && at::isnan(written).any().item<bool>()) {
-        return c10::str(layer_label(layer, gemm), ": ", what, " wrote nan values into ", name,
-                        suffix, "'s ", main_grad.defined() ? "main_grad" : ".grad",
-                        " (anomaly detection with check_nan=True, which plain autograd reports as "
-                        "a backward Function that \"returned nan values\")");
-      }
+    for (const auto& [param, main_grad, name, slot] :
+         {std::tuple<const at::Tensor&, const at::Tensor&, const char*, size_t>{
+              sinks[i].weight, sinks[i].weight_main_grad, "weight", 2 * i},
+          {sinks[i].bias, sinks[i].bias_main_grad, "bias", 2 * i + 1}}) {
+      if (had_nan[slot] || !has_nan(written_buffer(param, main_grad))) continue;
+      return c10::str(layer_label(layer, gemm), ": ", what, " wrote nan values into ", name,
+                      suffix, "'s ", main_grad.defined() ? "main_grad" : ".grad",
+                      " (anomaly detection with check_nan=True, which plain autograd reports as a "
+                      "backward Function that \"returned nan values\")");
     }
   }
   return std::string();
@@ -542,13 +550,16 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   auto& ledger = GradLedger::instance();
   if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
     ledger.note_autograd_contribution(item.targets(), pass.id());
+    const bool check_nan = anomaly_checks_nan();
+    const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
     if (grouped) {
       accumulate_grouped_wgrad(grad_output, input, m_splits, sinks);
     } else {
       accumulate_wgrad(grad_output, input, sinks[0]);
     }
-    if (anomaly_checks_nan()) {
-      const std::string nan = nan_in_sinks(layer, gemm, sinks, grouped, "the fused weight gradient");
+    if (check_nan) {
+      const std::string nan =
+          nan_in_sinks(layer, gemm, sinks, had_nan, grouped, "the fused weight gradient");
       TORCH_CHECK(nan.empty(), nan);
     }
     return;
@@ -560,10 +571,13 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
               ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
               "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. ",
               module, " runs delayed layers outside compiled graphs; call the op eagerly.");
-  item.input = input;
+  // Detached (the version counters are shared): the item needs the values only, and an input
+  // with its autograd history would keep the upstream graph's nodes, and the parameters their
+  // contexts hold, alive until backward_dw().
+  item.input = input.detach();
   item.input_activation = input_activation;
   item.gemm = gemm;
-  item.grad_output = grad_output;
+  item.grad_output = grad_output.detach();
   item.input_version = input._version();
   item.grad_output_version = grad_output._version();
   if (grouped) {
@@ -972,7 +986,12 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
         }
       }
     }
-    std::string nan;  // reported once the item has landed, as autograd's check stops a backward
+    // Anomaly detection: a nan this item brings into a gradient stops it before it lands (its
+    // pass's hooks do not fire), as autograd's check stops a backward before AccumulateGrad. A
+    // gradient that held a nan before is not blamed on it.
+    const bool check_nan = item.check_nan || detail::anomaly_checks_nan();
+    const std::vector<bool> had_nan = check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
+    std::string nan;
     try {
       if (item.groups.empty()) {
         const detail::WgradSinks& single = sinks.front();
@@ -990,8 +1009,8 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
       } else {
         detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks);
       }
-      if (item.check_nan || detail::anomaly_checks_nan()) {
-        nan = detail::nan_in_sinks(item.layer, item.gemm, sinks, !item.groups.empty(),
+      if (check_nan) {
+        nan = detail::nan_in_sinks(item.layer, item.gemm, sinks, had_nan, !item.groups.empty(),
                                    "backward_dw() (the deferred weight gradient)");
       }
     } catch (...) {
@@ -1002,6 +1021,12 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
       throw;
     }
     keep_until_read(item);
+    if (!nan.empty()) {  // the items not run yet stay queued
+      drop(item);
+      in_flight.settled(batch, index[i]);
+      restore_after(i);
+      TORCH_CHECK(false, nan);
+    }
     const core::PassId pass = item.pass;
     {
       const detail::ReferenceBatch references;
@@ -1018,10 +1043,6 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     }
     const detail::ReferenceBatch references;
     targets.clear();
-    if (!nan.empty()) {  // the items not run yet stay queued
-      restore_after(i);
-      TORCH_CHECK(false, nan);
-    }
   }
 }
 

@@ -106,17 +106,16 @@ bool defers_wgrad(bool delay, core::LayerId layer);
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
 /// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.
-/// A module conversion (torch.__future__.set_overwrite_module_params_on_conversion) replaced
-/// parameter `old_param` by the new tensor object `replacement`, and moved its .grad there: the
-/// deferred work queued for `old_param`, and what its passes owe, go to `replacement` too.
-void follow_replaced_parameter(const at::Tensor& old_param, const at::Tensor& replacement);
-
 /// Whether anomaly detection with check_nan is on (torch.autograd.set_detect_anomaly(True)).
 bool anomaly_checks_nan();
-/// A message naming the first of `sinks`' targets (main_grad, else .grad) that holds a nan after
-/// `what` wrote it ("weight2" with `numbered`), or "" if none does. Reads the values (a sync).
+/// For each of `sinks`, whether its weight's and its bias's gradient buffer (main_grad, else
+/// .grad) holds a nan now: [weight0, bias0, weight1, ...]. Reads the values (a sync).
+std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks);
+/// A message naming the first of `sinks`' gradient buffers that holds a nan after `what` wrote it
+/// and did not before (`had_nan`, from nan_flags), or "" if none; "weight2" with `numbered`.
 std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
-                         const std::vector<WgradSinks>& sinks, bool numbered, const char* what);
+                         const std::vector<WgradSinks>& sinks, const std::vector<bool>& had_nan,
+                         bool numbered, const char* what);
 
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,

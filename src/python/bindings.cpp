@@ -172,15 +172,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("layers_with_pending_wgrads", &splitgrad::layers_with_pending_wgrads,
         py::arg("params") = std::vector<at::Tensor>{});
   m.def(
-      "follow_replaced_parameter",
-      [](const at::Tensor& old_param, const at::Tensor& replacement) {
-        HANDLE_TH_ERRORS
-        splitgrad::detail::follow_replaced_parameter(old_param, replacement);
-        END_HANDLE_TH_ERRORS_PYBIND
-      },
-      py::arg("old_param"), py::arg("replacement"),
-      "Deferred work queued for old_param goes to replacement (a module conversion's new object).");
-  m.def(
       "check_linear_args",
       [](int64_t layer_id, const at::Tensor& input, const at::Tensor& weight,
          const std::optional<at::Tensor>& bias, std::optional<at::ScalarType> compute_dtype) {

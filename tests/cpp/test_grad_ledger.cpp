@@ -94,29 +94,6 @@ TEST_F(GradLedgerTest, DeferredLandingBeforeThePassEndsWaitsForTheEnd) {
   EXPECT_EQ(*calls, 1);
 }
 
-TEST_F(GradLedgerTest, FollowMovesWhatIsOwedToTheReplacementAndLeavesTheHooks) {
-  at::Tensor old_param = torch::zeros({3});
-  at::Tensor replacement = torch::zeros({3}, torch::kDouble);
-  auto old_calls = counting_hook(old_param);
-  ledger().open_pass(kPassA);
-  ledger().note_autograd_contribution(old_param, kPassA);
-  ledger().expect_deferred(old_param, kPassA);
-  ledger().expect_deferred(old_param, kPassA);
-  ledger().deferred_landed(old_param, kPassA);
-  auto new_calls = counting_hook(replacement);  // the module's hooks, installed on the new object
-
-  ledger().follow(old_param, replacement);
-  EXPECT_EQ(ledger().pending_for(old_param), 0);
-  EXPECT_EQ(ledger().pending_for(replacement), 1);
-  ledger().autograd_pass_finished(kPassA);  // the pass's end reaches the replacement
-  EXPECT_EQ(*new_calls, 0) << "one still owed";
-  ledger().deferred_landed(replacement, kPassA);
-  EXPECT_EQ(*new_calls, 1);
-  EXPECT_EQ(*old_calls, 0) << "hooks stay with the replaced object, as PyTorch's own do";
-  ledger().follow(torch::zeros({3}), replacement);  // nothing known: nothing happens
-  EXPECT_EQ(ledger().pending_for(replacement), 0);
-}
-
 TEST_F(GradLedgerTest, EachParameterFiresOnItsOwn) {
   at::Tensor weight = torch::zeros({2, 3});
   at::Tensor bias = torch::zeros({2});

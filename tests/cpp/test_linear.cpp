@@ -1022,10 +1022,11 @@ TEST_F(LinearTest, PendingWorkIsVisibleByLayerAndParameter) {
 
 TEST_F(LinearTest, StashedActivationsAreFreedAfterBackwardDw) {
   Linear fc(opts(16, 8).delay_wgrad_compute(true));
-  std::optional<splitgrad::core::WeakTensor> weak;
+  // The item keeps a detached view of the activation (its values): its storage is watched.
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> weak;
   {
     torch::Tensor x = torch::randn({5, 16});
-    weak.emplace(x.getIntrusivePtr());
+    weak.emplace(x.storage().getWeakStorageImpl());
     fc(x).sum().backward();
   }
   EXPECT_FALSE(weak->expired()) << "the deferred item holds the activation";

@@ -252,39 +252,6 @@ TEST_F(WgradStoreTest, LayersWithPendingFilteredByParams) {
       << "undefined entries are skipped";
 }
 
-TEST_F(WgradStoreTest, FollowMovesEveryQueuedTargetOfAReplacedParameter) {
-  at::Tensor w = torch::zeros({1, 1});
-  at::Tensor b = torch::zeros({1});
-  at::Tensor other = torch::zeros({1, 1});
-  const LayerId a = layer("fc_a");
-  const LayerId grouped = layer("experts");
-  store().push(item(a, kPass0, 1, w, b));
-  store().push(item(a, kPass1, 2, other));
-  DeferredWgrad experts = item(grouped, kPass0, 3, at::Tensor());
-  experts.groups.resize(2);
-  experts.groups[0].weight = splitgrad::core::weak_ref(w);
-  experts.groups[0].bias = splitgrad::core::weak_ref(b);
-  experts.groups[1].weight = splitgrad::core::weak_ref(other);
-  store().push(std::move(experts));
-
-  at::Tensor replacement = torch::zeros({1, 1}, torch::kDouble);
-  EXPECT_EQ(store().follow(w, replacement), 2u) << "the single item's weight and group 0's";
-  EXPECT_TRUE(store().layers_with_pending({w}).empty());
-  EXPECT_EQ(store().layers_with_pending({replacement}), std::vector<LayerId>({a, grouped}));
-  EXPECT_EQ(store().layers_with_pending({b}), std::vector<LayerId>({a, grouped}))
-      << "the bias was not replaced";
-  EXPECT_EQ(store().follow(torch::zeros({1, 1}), replacement), 0u) << "an unknown tensor";
-  auto taken = store().take_all();
-  ASSERT_EQ(taken.size(), 3u);
-  EXPECT_TRUE(taken[0].targets()[0].is_same(replacement));
-  EXPECT_TRUE(taken[1].targets()[0].is_same(other));
-  const auto grouped_targets = taken[2].targets();  // group 0's weight and bias, group 1's weight
-  ASSERT_EQ(grouped_targets.size(), 3u);
-  EXPECT_TRUE(grouped_targets[0].is_same(replacement));
-  EXPECT_TRUE(grouped_targets[1].is_same(b));
-  EXPECT_TRUE(grouped_targets[2].is_same(other));
-}
-
 TEST_F(WgradStoreTest, ItemTargetsAreWeightThenBias) {
   at::Tensor w = torch::zeros({1, 1});
   at::Tensor b = torch::zeros({1});

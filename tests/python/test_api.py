@@ -5,6 +5,7 @@ import contextlib
 import copy
 import gc
 import inspect
+import io
 import math
 import subprocess
 import sys
@@ -651,6 +652,33 @@ def test_meta_device_context_then_to_empty_trains_like_an_eager_module(kind, del
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
+def _normal_init(w):  # module-level: pickles by name
+    nn.init.normal_(w, std=0.02)
+
+
+@pytest.mark.parametrize("kind", MODULES)
+def test_a_module_with_an_init_method_still_saves_whole(kind):
+    """torch.save(model) pickles the module: a kept init_method that pickles (a module-level
+    function) is kept; a lambda or closure (Megatron's init_method_normal(sigma)) is left out, so the
+    save works as for nn.Linear, and reset_parameters() of the loaded copy asks for it by name. A
+    deep copy shares it."""
+    for init, survives in ((_normal_init, True), (lambda w: nn.init.normal_(w, std=0.02), False)):
+        module = _build(kind, device="cpu", init_method=init)
+        buffer = io.BytesIO()
+        torch.save(module, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        for (name, p), q in zip(loaded.named_parameters(), module.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+        if survives:
+            loaded.reset_parameters()
+        else:
+            with pytest.raises(splitgrad.ArgumentError, match="init_method given at construction could not be pickled"):
+                loaded.reset_parameters()
+            loaded.reset_parameters(init_method=init)
+        copy.deepcopy(module).reset_parameters()  # shares the kept method, whatever it is
+
+
 @pytest.mark.parametrize("mode", ["delayed", "fused", "delayed+fused"])
 @pytest.mark.parametrize("kind", MODULES)
 def test_anomaly_detection_reports_a_nan_weight_gradient(kind, mode):
@@ -712,6 +740,40 @@ def test_to_empty_keeps_te_marks_and_reduce_hooks(kind):
     assert sorted(map(id, fired)) == sorted(map(id, params))
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+def test_anomaly_detection_blames_only_a_nan_a_gradient_did_not_hold_before(fused):
+    """Autograd checks what a backward Function returns, not the accumulated .grad: a finite
+    deferred (or fused) gradient added to a .grad/main_grad that already holds a nan is no error;
+    a nan a deferred item brings stops it before its grad-ready hooks run (the items of later
+    passes stay queued and run)."""
+    layer = splitgrad.Linear(8, 6, device="cpu", delay_wgrad_compute=True, fuse_wgrad_accumulation=fused)
+    for p in layer.parameters():
+        if fused:
+            p.main_grad = torch.zeros_like(p)
+        else:
+            p.grad = torch.zeros_like(p)
+    buffer = layer.bias.main_grad if fused else layer.bias.grad
+    buffer[0] = float("nan")
+    fired = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda p: fired.append(p))
+    with torch.autograd.set_detect_anomaly(True, check_nan=True):
+        layer(torch.randn(4, 8)).sum().backward()
+        layer.backward_dw()  # finite: no error although the buffer holds a nan
+        assert len(fired) == 2
+        bad = torch.randn(4, 8)
+        bad[1, 2] = float("nan")
+        layer(bad).nan_to_num(0.0).sum().backward()
+        layer(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"backward_dw\(\) .* wrote nan values into weight's " + ("main_grad" if fused else ".grad")):
+        layer.backward_dw()
+    assert len(fired) == 2, "the pass with the nan fires no grad-ready hook"
+    assert splitgrad.pending_wgrads() == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer.backward_dw()  # the later pass still runs (its buffer held a nan already: no error)
+    assert len(fired) == 4
+
+
 @contextlib.contextmanager
 def _conversion_mode(flag: str):
     """torch.__future__'s overwrite_module_params_on_conversion or swap_module_params_on_conversion."""
@@ -728,57 +790,71 @@ def _forward(kind, module, x):
     return module(x, [1, 2, 2]) if kind == "GroupedLinear" else module(x)
 
 
-@pytest.mark.parametrize("conversion", ["double", "float"])
+@pytest.mark.parametrize("mode", ["in place", "overwrite", "swap"])
+@pytest.mark.parametrize("conversion", ["double", "float", "meta"])
 @pytest.mark.parametrize("kind", MODULES)
-def test_a_conversion_that_replaces_the_parameters_carries_their_pending_work(kind, conversion):
-    """Under set_overwrite_module_params_on_conversion, .double() (even a .float() that changes
-    nothing) makes new Parameter objects and moves each .grad there: the deferred work still owed
-    to the old objects lands on the new ones, as plain autograd's gradient moved, and the module's
-    reduce hooks fire once for each new parameter."""
+def test_a_conversion_runs_the_pending_work_of_the_parameters_first(kind, conversion, mode):
+    """PyTorch converts each parameter's .grad with it, in place or into a new Parameter object
+    (set_overwrite_module_params_on_conversion, a device change such as .to("meta"), swap mode):
+    the deferred work owed to the parameters runs first, so that the converted .grad is plain
+    autograd's; the module's reduce hooks fire once for each parameter."""
     module = _build(kind, delay_wgrad_compute=True, device="cpu")
     reference = to_reference(module)
     fired = []
-    module.register_wgrad_accumulation_and_reduce_hooks(lambda p: fired.append(p))
+    if mode != "swap":  # (swap mode refuses a parameter with hooks: PyTorch's weak references)
+        module.register_wgrad_accumulation_and_reduce_hooks(lambda p: fired.append(p))
     x = torch.randn(5, 8)
     for m in (module, reference):
         out = _forward(kind, m, x)
         (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
-    before = list(module.parameters())
-    fired_in_backward = len(fired)  # a norm's parameters (not deferred)
+    params = list(module.parameters()) if mode != "swap" else []
+    convert = (lambda m: m.to("meta")) if conversion == "meta" else (lambda m: getattr(m, conversion)())
+    with contextlib.ExitStack() as stack:
+        if mode != "in place":
+            stack.enter_context(_conversion_mode(mode))
+        convert(module)
+        convert(reference)
+    assert splitgrad.pending_wgrads() == 0
+    assert sorted(map(id, fired)) == sorted(map(id, params)), "each hook once, before the conversion"
+    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
+        assert got.dtype == want.dtype and got.device == want.device and got.grad.device == want.grad.device
+        if conversion != "meta":
+            torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_tied_parameter_converted_in_one_module_keeps_the_whole_gradient_in_both():
+    """Two delayed layers share a weight; converting one of them (overwrite mode: a new Parameter
+    for that module only) leaves both the unconverted original and the converted copy with the
+    complete gradient, as plain autograd's .grad was copied."""
+    a = splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True)
+    b = splitgrad.Linear(8, 8, device="cpu", delay_wgrad_compute=True)
+    b.weight = a.weight
+    ra, rb = nn.Linear(8, 8), nn.Linear(8, 8)
+    with torch.no_grad():
+        ra.weight.copy_(a.weight), ra.bias.copy_(a.bias), rb.bias.copy_(b.bias)
+    rb.weight = ra.weight
+    x = torch.randn(3, 8)
+    b(a(x)).pow(2).sum().backward()
+    rb(ra(x)).pow(2).sum().backward()
     with _conversion_mode("overwrite"):
-        getattr(module, conversion)()
-        getattr(reference, conversion)()
-    after = list(module.parameters())
-    assert all(p is not q for p, q in zip(after, before)), "the conversion made new Parameter objects"
-    deferred = [getattr(module, n) for n in module._deferred_parameter_names() if getattr(module, n, None) is not None]
-    assert splitgrad.pending_wgrads() > 0 and fired_in_backward == len(after) - len(deferred)
-    module.backward_dw()
-    assert sorted(map(id, fired[fired_in_backward:])) == sorted(map(id, deferred))
-    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
-        assert got.dtype == want.dtype
-        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
+        b.double()
+        rb.double()
+    assert b.weight is not a.weight
+    for got, want in ((a.weight, ra.weight), (b.weight, rb.weight), (a.bias, ra.bias), (b.bias, rb.bias)):
+        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0)
+    assert splitgrad.pending_wgrads() == 0
 
 
-@pytest.mark.parametrize("kind", MODULES)
-def test_a_swapping_conversion_with_pending_work_is_refused_before_anything_converts(kind):
-    """Under set_swap_module_params_on_conversion, PyTorch cannot swap a parameter the deferred
-    queue refers to: a typed error before any of the module's parameters is converted, not a
-    half-converted module; after backward_dw() the conversion runs."""
-    module = _build(kind, delay_wgrad_compute=True, device="cpu", name="blocks.0.fc")
-    reference = to_reference(module)
-    x = torch.randn(5, 8)
-    for m in (module, reference):
-        _forward(kind, m, x).sum().backward()
+def test_a_regular_layer_swaps_while_another_layer_has_work_pending():
+    """Swap mode needs the parameter referenced from nowhere else: a delayed layer's queued item
+    keeps the values it needs only, not the upstream layers' autograd graph."""
+    regular = splitgrad.Linear(4, 4, device="cpu")
+    delayed = splitgrad.Linear(4, 4, device="cpu", delay_wgrad_compute=True)
+    delayed(regular(torch.randn(3, 4))).sum().backward()
     with _conversion_mode("swap"):
-        with pytest.raises(splitgrad.PendingWgradError, match=r"'blocks.0.fc'.*call backward_dw\(\) first"):
-            module.double()
-        assert all(p.dtype == torch.float32 for p in module.parameters())
-        module.backward_dw()
-        module.double()
-        reference.double()
-    assert all(p.dtype == torch.float64 for p in module.parameters())
-    for (name, got), want in zip(module.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
+        regular.double()
+    assert regular.weight.dtype == torch.float64 and splitgrad.pending_wgrads() == 1
+    delayed.backward_dw()
 
 
 @pytest.mark.parametrize("kind", MODULES)
