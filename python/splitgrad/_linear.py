@@ -524,6 +524,13 @@ class _DeferredWgradModule(nn.Module):
         # module holding it. The deferred work still owed to these parameters runs first, so their
         # .grad is complete, as plain autograd's is, when PyTorch converts or copies it (to every
         # copy of a tied parameter). TE's mark and the reduce hooks then follow new objects.
+        if self.__dict__.get("_reduce_hooks") and torch.__future__.get_swap_module_params_on_conversion():
+            # PyTorch cannot swap a tensor with weak references (the hooks'): refused here, before
+            # any parameter converts, rather than half-way through the module.
+            raise ArgumentError(
+                f"splitgrad layer '{self.name}': torch.__future__.set_swap_module_params_on_conversion(True) "
+                "cannot swap parameters that have reduce hooks (register_wgrad_accumulation_and_reduce_hooks, "
+                "GradReducer): convert the module before registering them, or without swap mode")
         if "_layer" in self.__dict__ and _C.pending_wgrads():
             own = [p for p in self._parameters.values() if p is not None]
             if own and _C.layers_with_pending_wgrads(own):

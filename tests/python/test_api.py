@@ -822,6 +822,18 @@ def test_a_conversion_runs_the_pending_work_of_the_parameters_first(kind, conver
             torch.testing.assert_close(got.grad, want.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("kind", MODULES)
+def test_swap_mode_with_reduce_hooks_is_refused_before_anything_converts(kind):
+    """PyTorch cannot swap a tensor with weak references (a reduce hook's): a typed error before
+    any parameter of the module converts, not PyTorch's error half-way (a norm's parameters done)."""
+    module = _build(kind, device="cpu", name="blocks.0.fc")
+    module.register_wgrad_accumulation_and_reduce_hooks(lambda p: None)
+    with _conversion_mode("swap"):
+        with pytest.raises(splitgrad.ArgumentError, match=r"'blocks.0.fc'.*cannot swap parameters that have reduce hooks"):
+            module.double()
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+
+
 def test_a_tied_parameter_converted_in_one_module_keeps_the_whole_gradient_in_both():
     """Two delayed layers share a weight; converting one of them (overwrite mode: a new Parameter
     for that module only) leaves both the unconverted original and the converted copy with the
