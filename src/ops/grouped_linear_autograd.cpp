@@ -172,9 +172,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     // the legacy vmap (torch.func's vmap also reaches here), whose fallback cannot batch ops
     // taking tensor lists (the grouped ops): there, as for create_graph, ATen ops per group, and
     // every gradient is returned (a batched backward accumulates nothing).
-    const bool batched = grad_output.defined() &&
-                         (grad_output.key_set().has(c10::DispatchKey::Batched) ||
-                          grad_output.key_set().has(c10::DispatchKey::FuncTorchBatched));
+    const bool batched = grad_output.key_set().has(c10::DispatchKey::Batched) ||
+                         grad_output.key_set().has(c10::DispatchKey::FuncTorchBatched);
     const bool create_graph = at::GradMode::is_enabled();
     if (create_graph || batched) {
       // backward(create_graph=True): differentiable ATen ops per group (the splits are read on
