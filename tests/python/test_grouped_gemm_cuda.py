@@ -228,14 +228,22 @@ BAD_SPLIT_CALLS = {
 }
 
 
+BAD_DEVICE_SPLITS = {
+    "negative": ("[5, -2, 13]", "m_splits[1] = -2 is negative"),
+    "short-sum": ("[5, 2, 3]", "m_splits sum to 10, expected the input's 16 rows"),
+    # Sums to 2**64 + 16, which wraps to the 16 rows in int64 arithmetic: the check must not wrap.
+    "overflow": ("[2**62, 2**63 - 1, 2**62 + 17]", "m_splits[1] = 9223372036854775807 takes the sum past"),
+}
+
+
 @pytest.mark.parametrize("call", list(BAD_SPLIT_CALLS))
-@pytest.mark.parametrize("bad", ["negative", "short-sum"])
+@pytest.mark.parametrize("bad", list(BAD_DEVICE_SPLITS))
 def test_bad_device_splits_stop_the_kernel(bad, call):
     """Device splits cannot be checked on the host without a synchronisation: the kernels check
     them (a grouped GEMM's argument kernel, or a check of their own where no GEMM runs) and stop
     with a device-side assertion that names the problem (in a child process: the assertion ends
     the CUDA context)."""
-    splits = "[5, -2, 13]" if bad == "negative" else "[5, 2, 3]"
+    splits, expected = BAD_DEVICE_SPLITS[bad]
     script = textwrap.dedent(f"""
         import torch, splitgrad
         x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
@@ -248,7 +256,6 @@ def test_bad_device_splits_stop_the_kernel(bad, call):
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     output = result.stdout + result.stderr
     assert result.returncode != 0 and "NO ERROR" not in output, output
-    expected = "is negative" if bad == "negative" else "m_splits sum to 10, expected the input's 16 rows"
     assert expected in output, output
 
 

@@ -31,7 +31,7 @@ using Problem = ProblemShape::UnderlyingProblemShape;
 using Bf16 = cutlass::bfloat16_t;
 
 template <class LayoutA, class LayoutB, class ElementD, class TileShape, class ClusterShape,
-          bool Pingpong>
+          bool Pingpong, class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
 struct GroupedKernel {
   static constexpr int kAlignAB = 16 / sizeof(Bf16);
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -43,7 +43,7 @@ struct GroupedKernel {
                           cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementD,
+      EpilogueTile, float, float, ElementD,
       cutlass::layout::RowMajor*, kAlignD, ElementD, cutlass::layout::RowMajor*, kAlignD,
       EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
