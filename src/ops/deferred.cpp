@@ -571,13 +571,15 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
               ": delay_wgrad_compute=True cannot queue deferred work inside a traced graph "
               "(torch.compile / AOTAutograd): the stashed tensors would be tracing placeholders. ",
               module, " runs delayed layers outside compiled graphs; call the op eagerly.");
-  // Detached (the version counters are shared): the item needs the values only, and an input
-  // with its autograd history would keep the upstream graph's nodes, and the parameters their
-  // contexts hold, alive until backward_dw().
-  item.input = input.detach();
+  // The item needs the values only: a tensor with autograd history is kept detached (the version
+  // counter shared), or it would keep the upstream graph's nodes, and the parameters their
+  // contexts hold, alive until backward_dw(). Others are kept as they are, as autograd saves an
+  // input: the caller's tensor lives exactly until its deferred work has run.
+  const auto values_of = [](const at::Tensor& t) { return t.grad_fn() ? t.detach() : t; };
+  item.input = values_of(input);
   item.input_activation = input_activation;
   item.gemm = gemm;
-  item.grad_output = grad_output.detach();
+  item.grad_output = values_of(grad_output);
   item.input_version = input._version();
   item.grad_output_version = grad_output._version();
   if (grouped) {

@@ -1,10 +1,11 @@
 """SPEC §3: stashed activations are freed as soon as their deferred work has run, when their item
 is dropped, and when their layer is deleted. Checked with weak references to the tensors' storage
-(the store keeps detached views of the activations: the values, not the autograd history), which
-expire when the last tensor on them goes."""
+(the store keeps detached views of activations with autograd history: the values, not the
+history), which expire when the last tensor on them goes, and to the caller's tensor objects."""
 
 import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -114,3 +115,25 @@ def test_freed_when_layer_or_model_is_deleted(what):
         assert alive(stashed) == [True, False, True]
         splitgrad.backward_dw_all()
     assert alive(stashed) == [False, False, False]
+
+
+@pytest.mark.parametrize("release", ["backward_dw", "delete"])
+def test_the_callers_tensors_live_until_their_work_runs(release):
+    """Tensors without autograd history are stashed as they are (as autograd saves an input): a
+    weak reference to the caller's input and grad_output lives while the work is pending and
+    expires once it has run or its layer is deleted."""
+    layer = splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True)
+    x, gy = torch.randn(3, D), torch.randn(3, D)
+    refs = [weakref.ref(x), weakref.ref(gy)]
+    layer(x).backward(gy)
+    del x, gy
+    gc.collect()
+    assert [r() is not None for r in refs] == [True, True]
+    if release == "backward_dw":
+        layer.backward_dw()
+    else:
+        with pytest.warns(splitgrad.PendingWgradWarning):
+            del layer
+            gc.collect()
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]
