@@ -290,8 +290,9 @@ cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
 // shortest (bound by the read-modify-write of main_grad). With as many persistent blocks as a
 // chunk has tiles, wave w runs chunk w, so each block's consecutive tiles alternate between the
 // two kinds and the ping-pong schedule overlaps a short tile's epilogue with a long tile's main
-// loop (in order, each expert's tiles wait for the tensor cores behind the others of its kind).
-// Needs clusters of one block: the persistent grid is then exactly the blocks asked for.
+// loop. About two experts are in flight at a time, so their panels of dy and x share L2 with
+// one other expert's only. Needs clusters of one block: the persistent grid is then exactly the
+// blocks asked for.
 constexpr int kMaxPairedGroups = 1024;
 
 struct PairedChunks {
