@@ -10,7 +10,6 @@
 //   wgrad  M = out, N = in, K = r:  A = dy[o_g:]ᵀ (M-major),    B = x[o_g:] (N-major),
 //          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue.
 #include <cute/tensor.hpp>
-#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cutlass/cutlass.h>
@@ -165,10 +164,10 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
 // than along M on bench_grouped.py's shapes, 25% with a 2x1 cluster on Mixtral's two experts.
 template <class K>
 typename K::Gemm::Arguments kernel_arguments(const GroupedGemmArgs& args, GroupArrays<K> arrays,
-                                             float beta, int64_t problems = -1) {
+                                             float beta) {
   typename K::Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
-      {static_cast<int>(problems < 0 ? args.groups : problems), arrays.problems, nullptr},
+      {static_cast<int>(args.groups), arrays.problems, nullptr},
       {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
       {{}, const_cast<const typename K::Gemm::ElementD**>(arrays.d), arrays.stride_d, arrays.d,
        arrays.stride_d}};
@@ -237,11 +236,21 @@ cudaError_t configure_once() {
   return cudaSuccess;
 }
 
-// What GemmUniversalAdapter::initialize() and run() do, less the per-launch attribute calls.
-template <class K>
-cudaError_t launch(const typename K::Gemm::Arguments& arguments, void* kernel_workspace,
-                   cudaStream_t stream) {
+template <class K, GroupedProduct kProduct>
+cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
+  if (args.groups <= 0) return cudaSuccess;
+  const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
+  const float beta = kProduct == GroupedProduct::wgrad_accumulate || args.add_to_out ? 1.0f : 0.0f;
+  const size_t kernel_bytes =
+      K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
+  const WorkspaceLayout w = WorkspaceLayout::of<K>(args.groups, kernel_bytes);
+  const GroupArrays<K> arrays = arrays_in<K>(args, w);
+  fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays);
+  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
+  const auto arguments = kernel_arguments<K>(args, arrays, beta);
   if (K::Gemm::can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
+  // What GemmUniversalAdapter::initialize() and run() do, less the per-launch attribute calls.
+  void* const kernel_workspace = static_cast<char*>(args.workspace) + w.kernel;
   if (K::Kernel::initialize_workspace(arguments, kernel_workspace, stream) !=
       cutlass::Status::kSuccess) {
     return cudaErrorNotSupported;
@@ -267,171 +276,5 @@ cudaError_t launch(const typename K::Gemm::Arguments& arguments, void* kernel_wo
       &config, reinterpret_cast<const void*>(&cutlass::device_kernel<typename K::Kernel>),
       kernel_params);
 }
-
-template <class K, GroupedProduct kProduct>
-cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
-  if (args.groups <= 0) return cudaSuccess;
-  const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
-  const float beta = kProduct == GroupedProduct::wgrad_accumulate || args.add_to_out ? 1.0f : 0.0f;
-  const size_t kernel_bytes =
-      K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
-  const WorkspaceLayout w = WorkspaceLayout::of<K>(args.groups, kernel_bytes);
-  const GroupArrays<K> arrays = arrays_in<K>(args, w);
-  fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays);
-  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
-  return launch<K>(kernel_arguments<K>(args, arrays, beta),
-                   static_cast<char*>(args.workspace) + w.kernel, stream);
-}
-
-#ifdef SPLITGRAD_GROUPED_GEMM_TUNING
-// Paired wgrad (tuning builds, to measure): each expert's target is cut into chunks of about one
-// wave of tiles (every tile along one dimension, a few along the other) and the chunks are
-// queued alternately from the longest experts (tiles bound by the tensor cores) and from the
-// shortest (bound by the read-modify-write of main_grad). With as many persistent blocks as a
-// chunk has tiles, wave w runs chunk w, so each block's consecutive tiles alternate between the
-// two kinds and the ping-pong schedule overlaps a short tile's epilogue with a long tile's main
-// loop. About two experts are in flight at a time, so their panels of dy and x share L2 with
-// one other expert's only. Needs clusters of one block: the persistent grid is then exactly the
-// blocks asked for.
-constexpr int kMaxPairedGroups = 1024;
-
-struct PairedChunks {
-  bool along_m = true;     // a chunk: every M tile x `width` N tiles (raster along M), or the
-                           // transpose (`width` M tiles x every N tile, raster along N)
-  int64_t width = 1;       // tiles across the cut
-  int64_t per_group = 1;   // chunks per group
-  int ctas = 1;            // persistent blocks: the tiles of one chunk (at most the SMs)
-  int tile_m = 0, tile_n = 0;
-};
-
-template <class K>
-PairedChunks paired_chunks(const GroupedGemmArgs& args) {
-  using Tile = typename K::Kernel::TileShape;
-  PairedChunks c;
-  c.tile_m = cute::size<0>(Tile{});
-  c.tile_n = cute::size<1>(Tile{});
-  const int64_t m_tiles = (args.out_features + c.tile_m - 1) / c.tile_m;
-  const int64_t n_tiles = (args.in_features + c.tile_n - 1) / c.tile_n;
-  const int64_t sms = std::max(1, args.multiprocessors);
-  const auto width_for = [&](int64_t whole, int64_t across) {
-    return std::max<int64_t>(1, std::min(across, sms / std::max<int64_t>(whole, 1)));
-  };
-  const int64_t width_m = width_for(m_tiles, n_tiles);  // chunk = m_tiles x width_m
-  const int64_t width_n = width_for(n_tiles, m_tiles);  // chunk = width_n x n_tiles
-  c.along_m = std::min(sms, m_tiles * width_m) >= std::min(sms, n_tiles * width_n);
-  c.width = c.along_m ? width_m : width_n;
-  const int64_t across = c.along_m ? n_tiles : m_tiles;
-  c.per_group = std::max<int64_t>(1, (across + c.width - 1) / c.width);
-  c.ctas = static_cast<int>(std::min(sms, (c.along_m ? m_tiles : n_tiles) * c.width));
-  return c;
-}
-
-template <class K>
-__global__ void fill_paired_wgrad_arrays(GroupedGemmArgs args, GroupArrays<K> out,
-                                         PairedChunks chunks) {
-  using ElementD = typename K::Gemm::ElementD;
-  __shared__ int order[kMaxPairedGroups];        // rank (longest first) -> group
-  __shared__ int64_t offsets[kMaxPairedGroups];  // group -> its first row
-  if (threadIdx.x == 0) check_splits_or_stop(args.splits, args.groups, args.rows);
-  __syncthreads();
-  const int64_t groups = args.groups;
-  for (int64_t g = threadIdx.x; g < groups; g += blockDim.x) {
-    const int64_t rows = args.splits[g];
-    int64_t offset = 0, rank = 0;
-    for (int64_t j = 0; j < groups; ++j) {
-      const int64_t other = args.splits[j];
-      if (j < g) offset += other;
-      rank += other > rows || (other == rows && j < g);
-    }
-    order[rank] = static_cast<int>(g);
-    offsets[g] = offset;
-    if (args.row_offsets != nullptr) {
-      args.row_offsets[g] = offset;
-      if (g == groups - 1) args.row_offsets[g + 1] = offset + rows;
-    }
-  }
-  __syncthreads();
-  const auto* dy = static_cast<const Bf16*>(args.tokens);
-  const auto* x = static_cast<const Bf16*>(args.tokens_in);
-  const int64_t in = args.in_features, out_features = args.out_features;
-  const int64_t total = groups * chunks.per_group;
-  for (int64_t slot = threadIdx.x; slot < total; slot += blockDim.x) {
-    // Even slots: the sorted chunks from the front (long experts); odd: from the back (short).
-    const int64_t q = slot % 2 == 0 ? slot / 2 : total - 1 - slot / 2;
-    const int g = order[q / chunks.per_group];
-    const int64_t chunk = q % chunks.per_group;
-    const int64_t offset = offsets[g];
-    const int rows = static_cast<int>(args.splits[g]);
-    void* target = args.targets[g];
-    const bool runs = rows > 0 && target != nullptr;
-    const Bf16* a = dy + offset * out_features;
-    const Bf16* b = x + offset * in;
-    auto* d = static_cast<ElementD*>(target);
-    int m = static_cast<int>(out_features), n = static_cast<int>(in);
-    if (chunks.along_m) {
-      const int64_t first = chunk * chunks.width * chunks.tile_n;
-      n = static_cast<int>(std::min<int64_t>(chunks.width * chunks.tile_n, in - first));
-      b += first;
-      if (runs) d += first;
-    } else {
-      const int64_t first = chunk * chunks.width * chunks.tile_m;
-      m = static_cast<int>(std::min<int64_t>(chunks.width * chunks.tile_m, out_features - first));
-      a += first;
-      if (runs) d += first * in;
-    }
-    out.problems[slot] = runs ? Problem(m, n, rows) : Problem(0, n, 0);
-    out.a[slot] = a;
-    out.b[slot] = b;
-    out.d[slot] = d;
-    out.stride_a[slot] = leading_dimension<typename K::StrideA>(out_features);
-    out.stride_b[slot] = leading_dimension<typename K::StrideB>(in);
-    out.stride_d[slot] = leading_dimension<typename K::StrideD>(in);
-  }
-}
-
-template <class K>
-typename K::Gemm::Arguments paired_arguments(const GroupedGemmArgs& args, GroupArrays<K> arrays,
-                                             const PairedChunks& chunks) {
-  auto arguments = kernel_arguments<K>(args, arrays, 1.0f, args.groups * chunks.per_group);
-  using Raster = decltype(arguments.scheduler.raster_order);
-  arguments.scheduler.raster_order = chunks.along_m ? Raster::AlongM : Raster::AlongN;
-  arguments.scheduler.max_swizzle_size = 1;
-  arguments.hw_info.sm_count = chunks.ctas;
-  return arguments;
-}
-
-template <class K>
-size_t paired_workspace_bytes(const GroupedGemmArgs& args) {
-  const PairedChunks chunks = paired_chunks<K>(args);
-  const int64_t problems = args.groups * chunks.per_group;
-  GroupedGemmArgs sized = args;
-  sized.workspace = nullptr;
-  const WorkspaceLayout none = WorkspaceLayout::of<K>(problems, 0);
-  const size_t kernel_bytes =
-      K::Gemm::get_workspace_size(paired_arguments<K>(sized, arrays_in<K>(sized, none), chunks));
-  return WorkspaceLayout::of<K>(problems, kernel_bytes).total;
-}
-
-template <class K>
-cudaError_t run_paired(const GroupedGemmArgs& args, cudaStream_t stream) {
-  static_assert(cute::size(typename K::Kernel::DispatchPolicy::ClusterShape{}) == 1,
-                "the paired wgrad needs clusters of one block");
-  if (args.groups <= 0) return cudaSuccess;
-  if (args.groups > kMaxPairedGroups || args.product != GroupedProduct::wgrad_accumulate) {
-    return cudaErrorNotSupported;
-  }
-  const PairedChunks chunks = paired_chunks<K>(args);
-  const int64_t problems = args.groups * chunks.per_group;
-  const WorkspaceLayout none = WorkspaceLayout::of<K>(problems, 0);
-  const size_t kernel_bytes =
-      K::Gemm::get_workspace_size(paired_arguments<K>(args, arrays_in<K>(args, none), chunks));
-  const WorkspaceLayout w = WorkspaceLayout::of<K>(problems, kernel_bytes);
-  const GroupArrays<K> arrays = arrays_in<K>(args, w);
-  fill_paired_wgrad_arrays<K><<<1, 256, 0, stream>>>(args, arrays, chunks);
-  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
-  return launch<K>(paired_arguments<K>(args, arrays, chunks),
-                   static_cast<char*>(args.workspace) + w.kernel, stream);
-}
-#endif  // SPLITGRAD_GROUPED_GEMM_TUNING
 
 }  // namespace splitgrad::cuda::sm90

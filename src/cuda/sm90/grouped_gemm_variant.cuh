@@ -19,7 +19,7 @@ using Tile = cute::Shape<cute::Int<M>, cute::Int<N>, cute::Int<K>>;
 template <int M, int N>
 using Cluster = cute::Shape<cute::Int<M>, cute::Int<N>, cute::_1>;
 
-#if defined(SPLITGRAD_VARIANT_pingpong) || defined(SPLITGRAD_VARIANT_pingpong_paired)
+#if defined(SPLITGRAD_VARIANT_pingpong)
 constexpr bool kPingpong = true;
 #else
 constexpr bool kPingpong = false;
@@ -54,16 +54,9 @@ using Kernel = GroupedKernel<LayoutA, LayoutB, ElementD, Tile<SPLITGRAD_VARIANT_
                              Cluster<SPLITGRAD_VARIANT_CLUSTER>, kPingpong, EpilogueTile>;
 
 const bool registered = [] {
-#if defined(SPLITGRAD_VARIANT_pingpong_paired)
-  static_assert(kProduct == GroupedProduct::wgrad_accumulate, "paired: a wgrad schedule");
-  register_tuning_variant({SPLITGRAD_STRINGIFY(SPLITGRAD_VARIANT_NAME), kProduct,
-                           std::is_same_v<ElementD, float>, &run_paired<Kernel>,
-                           &paired_workspace_bytes<Kernel>});
-#else
   register_tuning_variant({SPLITGRAD_STRINGIFY(SPLITGRAD_VARIANT_NAME), kProduct,
                            std::is_same_v<ElementD, float>, &run<Kernel, kProduct>,
                            &workspace_bytes<Kernel>});
-#endif
   return true;
 }();
 
