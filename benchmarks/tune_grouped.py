@@ -39,7 +39,8 @@ VARIANTS = {
     "dgrad": ["d_coop_256x128x64_c2x1", "d_coop_128x256x64_c1x1", "d_pp_128x128x64_c2x1"],
     "wgrad": ["w_pp_128x128x64_c1x1", "w_pp_128x128x64_c1x2", "w_pp_64x256x64_c1x1",
               "w_coop_256x128x64_c2x1", "w_pp_128x128x64_c1x2_e64x64", "w_pp_128x128x64_c1x2_e64x128",
-              "w_coop_128x256x64_c2x1_e128x64"],
+              "w_coop_128x256x64_c2x1_e128x64", "w_pp_128x128x64_c1x2_e64x32_c8",
+              "w_pp_128x128x64_c1x2_e64x32_c4d4", "w_pp_128x128x64_c1x2_e64x64_c4d2"],
 }
 ORDERS = [(raster, swizzle) for raster in ("m", "n") for swizzle in (1, 2, 4, 8)]
 ENV_KEYS = ("SPLITGRAD_GROUPED_GEMM_VARIANT", "SPLITGRAD_GROUPED_GEMM_RASTER", "SPLITGRAD_GROUPED_GEMM_SWIZZLE",

@@ -30,22 +30,53 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int32_t, int32
 using Problem = ProblemShape::UnderlyingProblemShape;
 using Bf16 = cutlass::bfloat16_t;
 
+// The epilogue: CUTLASS's builder's, or with the pipeline a tuning variant sets (Pipeline =
+// EpiloguePipeline): stages of C (the target read) and of D, and whether D reuses C's shared
+// memory (the builder's choice for fp32 targets, which then wait for D's stores to drain).
+template <int StagesC, int StagesD, bool ReuseSmemC>
+struct EpiloguePipeline {};
+
+template <class TileShape, class ClusterShape, class EpilogueTile, class ElementD,
+          class EpilogueSchedule, class Pipeline>
+struct EpilogueOf {  // the builder's
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using type = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile,
+      float, float, ElementD, cutlass::layout::RowMajor*, kAlignD, ElementD,
+      cutlass::layout::RowMajor*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+};
+
+template <class TileShape, class ClusterShape, class EpilogueTile, class ElementD,
+          class EpilogueSchedule, int StagesC, int StagesD, bool ReuseSmemC>
+struct EpilogueOf<TileShape, ClusterShape, EpilogueTile, ElementD, EpilogueSchedule,
+                  EpiloguePipeline<StagesC, StagesD, ReuseSmemC>> {
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  static constexpr int kWarpGroups = EpilogueSchedule::NumEpilogueWarpGroups;
+  static constexpr bool kCooperative =
+      cute::is_same_v<EpilogueSchedule, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  using Policy = cutlass::epilogue::Sm90PtrArrayTmaWarpSpecialized<
+      StagesC, StagesD, cute::size(EpilogueTile{}) / (kCooperative ? 256 : 128), ReuseSmemC,
+      /*DelayTmaStore=*/false, kWarpGroups>;
+  using type = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      TileShape, EpilogueTile, float, float, ElementD, cutlass::layout::RowMajor*, kAlignD,
+      ElementD, cutlass::layout::RowMajor*, kAlignD,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float>, Policy>::CollectiveOp;
+};
+
 template <class LayoutA, class LayoutB, class ElementD, class TileShape, class ClusterShape,
-          bool Pingpong, class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto>
+          bool Pingpong, class EpilogueTile = cutlass::epilogue::collective::EpilogueTileAuto,
+          class Pipeline = void>
 struct GroupedKernel {
   static constexpr int kAlignAB = 16 / sizeof(Bf16);
-  static constexpr int kAlignD = 16 / sizeof(ElementD);
   using KernelSchedule =
       cute::conditional_t<Pingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
   using EpilogueSchedule =
       cute::conditional_t<Pingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
                           cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTile, float, float, ElementD,
-      cutlass::layout::RowMajor*, kAlignD, ElementD, cutlass::layout::RowMajor*, kAlignD,
-      EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<ElementD, float>>::CollectiveOp;
+  using Epilogue = typename EpilogueOf<TileShape, ClusterShape, EpilogueTile, ElementD,
+                                       EpilogueSchedule, Pipeline>::type;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, LayoutA*, kAlignAB, Bf16,
       LayoutB*, kAlignAB, float, TileShape, ClusterShape,
