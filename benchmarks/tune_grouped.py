@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pathlib
+import re
 import sys
 import time
 from typing import Callable
@@ -32,16 +34,22 @@ from bench_grouped import (SHAPES, Data, fprop_dgrad_contenders, imbalanced_spli
                            markdown_table, relative_error, wgrad_contenders)
 from common import available, chosen_by_name, device_description, time_side_by_side, write_results  # noqa: E402
 
-# Mirrors src/cuda/sm90/CMakeLists.txt's tuning variants, by product.
-VARIANTS = {
-    "fprop": ["f_coop_256x128x64_c2x1", "f_coop_128x256x64_c1x2", "f_coop_128x256x64_c1x1",
-              "f_pp_128x128x64_c2x1"],
-    "dgrad": ["d_coop_256x128x64_c2x1", "d_coop_128x256x64_c1x1", "d_pp_128x128x64_c2x1"],
-    "wgrad": ["w_pp_128x128x64_c1x1", "w_pp_128x128x64_c1x2", "w_pp_64x256x64_c1x1",
-              "w_coop_256x128x64_c2x1", "w_pp_128x128x64_c1x2_e64x64", "w_pp_128x128x64_c1x2_e64x128",
-              "w_coop_128x256x64_c2x1_e128x64", "w_pp_128x128x64_c1x2_e64x32_c8",
-              "w_pp_128x128x64_c1x2_e64x32_c4d4", "w_pp_128x128x64_c1x2_e64x64_c4d2"],
-}
+SM90_CMAKE = pathlib.Path(__file__).resolve().parents[1] / "src" / "cuda" / "sm90" / "CMakeLists.txt"
+
+
+def tuning_variants(cmake: pathlib.Path = SM90_CMAKE) -> dict[str, list[str]]:
+    """The tuning build's variant names by product, read from the list that compiles them
+    (src/cuda/sm90/CMakeLists.txt's `set(variants ...)`: one "name product tile..." entry each)."""
+    listed = re.search(r"set\(variants\n(.*?)\)\n", cmake.read_text(), re.S)
+    if listed is None:
+        raise RuntimeError(f"{cmake}: no set(variants ...) list")
+    variants = {"fprop": [], "dgrad": [], "wgrad": []}
+    for name, product in re.findall(r'"(\S+) (\S+) ', listed.group(1)):
+        variants["wgrad" if product == "wgrad_fp32" else product].append(name)
+    return variants
+
+
+VARIANTS = tuning_variants()
 ORDERS = [(raster, swizzle) for raster in ("m", "n") for swizzle in (1, 2, 4, 8)]
 ENV_KEYS = ("SPLITGRAD_GROUPED_GEMM_VARIANT", "SPLITGRAD_GROUPED_GEMM_RASTER", "SPLITGRAD_GROUPED_GEMM_SWIZZLE",
             "SPLITGRAD_GROUPED_WGRAD_SCHEDULE")

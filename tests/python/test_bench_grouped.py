@@ -107,3 +107,22 @@ def test_host_profile_script_lists_the_grouped_ops_work_inside_backward_dw(capsy
         section = next(s for s in sections[1:] if s.startswith(f"{case}: self CPU time inside backward_dw()"))
         op = "splitgrad::linear_wgrad_accumulate_" if case == "Linear" else "splitgrad::grouped_linear_wgrad_accumulate_"
         assert op in section, section
+
+
+def test_tune_grouped_times_every_variant_the_tuning_build_compiles(tmp_path):
+    """tune_grouped.py reads the variant names from the CMake list that compiles them: every entry,
+    by product, and a list it cannot find is an error rather than nothing to time."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        tune = importlib.import_module("tune_grouped")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    cmake = (ROOT / "src" / "cuda" / "sm90" / "CMakeLists.txt").read_text()
+    entries = cmake[cmake.index("set(variants"):cmake.index("foreach(variant")].count('"') // 2
+    names = [name for product in ("fprop", "dgrad", "wgrad") for name in tune.VARIANTS[product]]
+    assert len(names) == entries == len(set(names)) and all(tune.VARIANTS.values()), tune.VARIANTS
+    assert all(name.startswith(product[0] + "_") for product, listed in tune.VARIANTS.items() for name in listed)
+    empty = tmp_path / "CMakeLists.txt"
+    empty.write_text("# no variants\n")
+    with pytest.raises(RuntimeError, match="no set\\(variants"):
+        tune.tuning_variants(empty)
