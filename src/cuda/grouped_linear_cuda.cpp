@@ -168,6 +168,25 @@ std::vector<const void*> slice_pointers(const at::Tensor& stacked) {
   return pointers;
 }
 
+// `count` tensors of `sizes` over consecutive blocks of `buffer`'s storage (contiguous buffer),
+// the first at element `offset`: each group's fresh gradient. Tensors of their own, not autograd
+// views of `buffer`: unbind's view bookkeeping cost ~1 µs of host time per tensor, two per expert.
+std::vector<at::Tensor> blocks_of(const at::Tensor& buffer, int64_t offset, int64_t count,
+                                  at::IntArrayRef sizes) {
+  std::vector<at::Tensor> blocks;
+  blocks.reserve(count);
+  const int64_t numel = c10::multiply_integers(sizes);
+  for (int64_t g = 0; g < count; ++g) {
+    // As at::empty makes a tensor (its own version counter and autograd keys), on shared storage.
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
+                                                     buffer.key_set(), buffer.dtype());
+    impl->set_sizes_contiguous(sizes);
+    impl->set_storage_offset(buffer.storage_offset() + offset + g * numel);
+    blocks.emplace_back(std::move(impl));
+  }
+  return blocks;
+}
+
 // The group of each row, [rows] int64, from device splits without reading them on the host.
 at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
   const at::Tensor groups = at::arange(splits.numel(), splits.options());
@@ -403,16 +422,20 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   const int64_t groups = m_splits.numel(), out = dy.size(1), in = x.size(1);
   if (grouped_kernels_take({dy, x}) && dy.size(0) > 0 && out > 0 && in > 0 && groups > 0) {
     // Fresh gradients: zeros, then the grouped kernel adds each group's sum (a group without rows
-    // keeps its zeros, as nn.Linear's backward gives it).
-    const at::Tensor weight_grads = at::zeros({groups, out, in}, input.options());
-    const at::Tensor bias_sums =
-        at::zeros({compute_bias_grad ? groups : 0, out}, input.options().dtype(at::kFloat));
+    // keeps its zeros, as nn.Linear's backward gives it). One buffer (one allocation, one fill)
+    // holds the weights' gradients, then the biases'; the bias kernel sums in fp32 and adds once,
+    // so a bf16 bias gradient is its fp32 sum rounded once, as dy.sum(0)'s.
+    const int64_t weight_numel = groups * out * in;
+    const at::Tensor grads =
+        at::zeros({weight_numel + (compute_bias_grad ? groups * out : 0)}, input.options());
+    const at::Tensor weight_grads = grads.narrow(0, 0, weight_numel).view({groups, out, in});
+    const at::Tensor bias_grads = grads.narrow(0, weight_numel, grads.numel() - weight_numel)
+                                      .view({compute_bias_grad ? groups : 0, out});
     if (accumulate_grouped(who, dy, x, m_splits, slice_pointers(weight_grads), CUDA_R_16BF,
-                           slice_pointers(bias_sums), CUDA_R_32F)) {
-      // One unbind each, not a select per group (host time: ~4 tensor ops per expert before).
-      return {weight_grads.unbind(0), compute_bias_grad
-                                          ? bias_sums.to(input.scalar_type()).unbind(0)
-                                          : std::vector<at::Tensor>()};
+                           slice_pointers(bias_grads), CUDA_R_16BF)) {
+      return {blocks_of(grads, 0, groups, {out, in}),
+              compute_bias_grad ? blocks_of(grads, weight_numel, groups, {out})
+                                : std::vector<at::Tensor>()};
     }
   }
   const auto splits = host_splits(who, m_splits, x.size(0));
