@@ -150,6 +150,33 @@ def test_tied_experts_add_up(fused):
     assert_grads_match(layer, reference, exact=False, high_precision=high)
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_fresh_gradients_are_independent_and_take_a_second_pass(delay):
+    """The experts' fresh .grads come from one buffer: each is a tensor of its own (an in-place
+    change to one leaves the others as they were), and a second pass adds into all of them (one
+    multi-tensor add) as plain autograd adds into its .grads."""
+    layer = _layer(bias=True, delay_wgrad_compute=delay)
+    reference, high = to_reference(layer), to_reference(layer, torch.float64)
+    splits = SPLITS["imbalanced-with-zeros"]
+    x, gy = _data(splits)
+    _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+    grads = [p.grad for p in layer.parameters()]
+    assert all(g is not None and g.is_contiguous() and g._base is None for g in grads)
+    before = [g.clone() for g in grads]
+    grads[0].add_(1.0)
+    grads[len(grads) - 1].zero_()
+    for i, (g, b) in enumerate(zip(grads, before)):
+        if i not in (0, len(grads) - 1):
+            torch.testing.assert_close(g, b, rtol=0, atol=0)
+    grads[0].copy_(before[0])
+    grads[len(grads) - 1].copy_(before[-1])
+    _run(layer, x, gy, torch.tensor(splits, device="cuda"))
+    for _ in range(2):
+        reference(x, splits).backward(gy)
+        high(x.double(), splits).backward(gy.double())
+    assert_grads_match(layer, reference, exact=False, high_precision=high)
+
+
 def test_no_host_synchronisation_with_device_splits():
     """A router's counts on the device: forward, backward and backward_dw (bias, fused fp32
     main_grad) never wait for the device."""
