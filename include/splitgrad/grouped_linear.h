@@ -6,7 +6,6 @@
 /// give a main_grad each), and one application queues one deferred item for backward_dw().
 
 #include <torch/arg.h>
-#include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "splitgrad/deferred.h"
+#include "splitgrad/module.h"
 
 namespace splitgrad {
 
@@ -46,7 +46,7 @@ struct GroupedLinearOptions {
   TORCH_ARG(std::string, name) = "";
 };
 
-class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
+class GroupedLinearImpl : public DeferredWgradModule<GroupedLinearImpl> {
  public:
   GroupedLinearImpl(int64_t num_gemms, int64_t in_features, int64_t out_features)
       : GroupedLinearImpl(GroupedLinearOptions(num_gemms, in_features, out_features)) {}
@@ -67,31 +67,15 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   ///        the ModuleHolder's `experts(x, m_splits)` resolves.)
   torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& m_splits);
 
-  /// As Linear's: this layer's deferred wgrad (all experts) for the oldest pending backward pass;
-  /// nothing for a layer built with delay_wgrad_compute=false; throws if a delayed layer has
-  /// nothing pending.
-  void backward_dw();
-  /// This layer's deferred wgrad queued by backward pass `pass` (see pending_passes()).
-  void backward_dw(int64_t pass);
-  std::vector<int64_t> pending_passes() const;
-  /// Deferred wgrad items queued for this layer (one per application, whatever num_gemms).
-  int64_t pending_wgrads() const;
-
   /// Makes expert `expert` use `weight` (another expert's, another layer's) as its weight: a leaf
   /// tensor of the layer's weight shape, dtype and device. Every contribution accumulates.
   void tie_weight(int64_t expert, const torch::Tensor& weight);
   /// Likewise for expert `expert`'s bias (the layer must have biases).
   void tie_bias(int64_t expert, const torch::Tensor& bias);
 
-  /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters.
-  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
-
-  std::shared_ptr<torch::nn::Module> clone(
-      const std::optional<at::Device>& device = std::nullopt) const override;
-  /// torch::save: runs the pending-work guard (check_pending_wgrads) first.
-  void save(torch::serialize::OutputArchive& archive) const override;
-  /// Runs the pending-work guard first.
-  void zero_grad(bool set_to_none = true) override;
+  // backward_dw(), pending_passes(), pending_wgrads() (one item per application, whatever
+  // num_gemms), register_wgrad_accumulation_and_reduce_hooks(), clone(), save(), zero_grad():
+  // DeferredWgradModule's.
 
   GroupedLinearOptions options;
   std::vector<torch::Tensor> weights;  ///< weight0 … weight{num_gemms-1}
@@ -101,9 +85,7 @@ class GroupedLinearImpl : public torch::nn::Cloneable<GroupedLinearImpl> {
   void check_expert(int64_t expert) const;
   void tie(const char* what, int64_t expert, std::vector<torch::Tensor>& params,
            const torch::Tensor& tied);
-  std::vector<torch::Tensor> own_parameters() const;
-  std::shared_ptr<LayerHandle> layer_;
-  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
+  void tie_in_copy(const std::string& name, const torch::Tensor& param) override;
 };
 
 /// A ModuleHolder for GroupedLinearImpl.

@@ -8,7 +8,6 @@
 /// of all of them (fc2's, then fc1's).
 
 #include <torch/arg.h>
-#include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
@@ -19,6 +18,7 @@
 #include <vector>
 
 #include "splitgrad/deferred.h"
+#include "splitgrad/module.h"
 
 namespace splitgrad {
 
@@ -56,7 +56,7 @@ struct LayerNormLinearOptions {
 };
 
 /// y = norm(x)·Wᵀ + b.
-class LayerNormLinearImpl : public torch::nn::Cloneable<LayerNormLinearImpl> {
+class LayerNormLinearImpl : public DeferredWgradModule<LayerNormLinearImpl> {
  public:
   LayerNormLinearImpl(int64_t in_features, int64_t out_features)
       : LayerNormLinearImpl(LayerNormLinearOptions(in_features, out_features)) {}
@@ -74,31 +74,14 @@ class LayerNormLinearImpl : public torch::nn::Cloneable<LayerNormLinearImpl> {
   std::tuple<torch::Tensor, torch::Tensor> forward_with_layernorm_output(
       const torch::Tensor& input);
 
-  /// Runs this module's deferred wgrad for the oldest backward pass still pending. Does nothing
-  /// when built with delay_wgrad_compute=false; throws if a delayed module has nothing pending.
-  void backward_dw();
-  /// Runs the deferred wgrad queued by backward pass `pass` (see pending_passes()).
-  void backward_dw(int64_t pass);
-  /// The backward passes with work queued for this module, oldest first.
-  std::vector<int64_t> pending_passes() const;
-  /// Deferred wgrad items queued for this module (one per application).
-  int64_t pending_wgrads() const;
-
   /// Makes the parameter `name` ("layer_norm_weight", "layer_norm_bias", "weight" or "bias")
   /// this tensor (typically another module's parameter): a leaf of the same shape, dtype and
   /// device. Every contribution to the shared parameter accumulates.
   void tie_parameter(const std::string& name, const torch::Tensor& param);
 
-  /// Registers `hook(param)` as a grad-ready hook of each of this module's parameters (TE's name).
-  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
-
-  /// A deep copy with a registration (and, for a named module, a name "<name>#<id>") of its own.
-  std::shared_ptr<torch::nn::Module> clone(
-      const std::optional<at::Device>& device = std::nullopt) const override;
-  /// torch::save: runs the pending-work guard (check_pending_wgrads) first.
-  void save(torch::serialize::OutputArchive& archive) const override;
-  /// Runs the pending-work guard first.
-  void zero_grad(bool set_to_none = true) override;
+  // backward_dw(), pending_passes(), pending_wgrads() (one item per application),
+  // register_wgrad_accumulation_and_reduce_hooks(), clone(), save(), zero_grad():
+  // DeferredWgradModule's.
 
   LayerNormLinearOptions options;
   torch::Tensor layer_norm_weight;
@@ -107,8 +90,9 @@ class LayerNormLinearImpl : public torch::nn::Cloneable<LayerNormLinearImpl> {
   torch::Tensor bias;
 
  private:
-  std::shared_ptr<LayerHandle> layer_;
-  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
+  void tie_in_copy(const std::string& name, const torch::Tensor& param) override {
+    tie_parameter(name, param);
+  }
 };
 
 /// A ModuleHolder for LayerNormLinearImpl.
@@ -145,7 +129,7 @@ struct LayerNormMLPOptions {
 };
 
 /// y = fc2(act(fc1(norm(x)))).
-class LayerNormMLPImpl : public torch::nn::Cloneable<LayerNormMLPImpl> {
+class LayerNormMLPImpl : public DeferredWgradModule<LayerNormMLPImpl> {
  public:
   LayerNormMLPImpl(int64_t hidden_size, int64_t ffn_hidden_size)
       : LayerNormMLPImpl(LayerNormMLPOptions(hidden_size, ffn_hidden_size)) {}
@@ -161,23 +145,13 @@ class LayerNormMLPImpl : public torch::nn::Cloneable<LayerNormMLPImpl> {
   std::tuple<torch::Tensor, torch::Tensor> forward_with_layernorm_output(
       const torch::Tensor& input);
 
-  /// Runs one backward pass's deferred wgrad of both GEMMs (fc2's, then fc1's): the oldest
-  /// pending. Does nothing for a regular module; throws if a delayed one has nothing pending.
-  void backward_dw();
-  void backward_dw(int64_t pass);
-  std::vector<int64_t> pending_passes() const;
-  /// Deferred wgrad items queued for this module (two per application: fc2 and fc1).
-  int64_t pending_wgrads() const;
-
   /// As LayerNormLinear's, for "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias",
   /// "fc2_weight" or "fc2_bias".
   void tie_parameter(const std::string& name, const torch::Tensor& param);
-  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
-
-  std::shared_ptr<torch::nn::Module> clone(
-      const std::optional<at::Device>& device = std::nullopt) const override;
-  void save(torch::serialize::OutputArchive& archive) const override;
-  void zero_grad(bool set_to_none = true) override;
+  // backward_dw() (one backward pass's wgrad of both GEMMs: fc2's, then fc1's),
+  // pending_passes(), pending_wgrads() (two items per application: fc2 and fc1),
+  // register_wgrad_accumulation_and_reduce_hooks(), clone(), save(), zero_grad():
+  // DeferredWgradModule's.
 
   LayerNormMLPOptions options;
   torch::Tensor layer_norm_weight;
@@ -188,8 +162,9 @@ class LayerNormMLPImpl : public torch::nn::Cloneable<LayerNormMLPImpl> {
   torch::Tensor fc2_bias;
 
  private:
-  std::shared_ptr<LayerHandle> layer_;
-  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
+  void tie_in_copy(const std::string& name, const torch::Tensor& param) override {
+    tie_parameter(name, param);
+  }
 };
 
 /// A ModuleHolder for LayerNormMLPImpl.

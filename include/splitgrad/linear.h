@@ -5,7 +5,6 @@
 /// (fuse_wgrad_accumulation).
 
 #include <torch/arg.h>
-#include <torch/nn/cloneable.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
@@ -14,6 +13,7 @@
 #include <string>
 
 #include "splitgrad/deferred.h"
+#include "splitgrad/module.h"
 
 namespace splitgrad {
 
@@ -49,7 +49,7 @@ struct LinearOptions {
 /// module holder splitgrad::Linear. Its backward computes the input gradient at once; the weight
 /// and bias gradients too, unless built with delay_wgrad_compute, which queues them for
 /// backward_dw() (or splitgrad::backward_dw_all()).
-class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
+class LinearImpl : public DeferredWgradModule<LinearImpl> {
  public:
   /// LinearOptions(in_features, out_features) with the defaults.
   LinearImpl(int64_t in_features, int64_t out_features)
@@ -76,19 +76,6 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   /// without a main_grad (set_main_grad()).
   torch::Tensor forward(const torch::Tensor& input);
 
-  /// Runs this layer's deferred wgrad for the oldest backward pass still pending. Does nothing for
-  /// a layer built with delay_wgrad_compute=false; throws c10::Error if a delayed layer has
-  /// nothing pending (see LayerHandle::backward_dw() for the other errors).
-  void backward_dw();
-  /// Runs this layer's deferred wgrad queued by backward pass `pass` (see pending_passes()):
-  /// a pipeline's W step for one named micro-batch. Does nothing for a regular layer; throws
-  /// c10::Error if that pass queued nothing for a delayed one.
-  void backward_dw(int64_t pass);
-  /// The backward passes with work queued for this layer, oldest first.
-  std::vector<int64_t> pending_passes() const;
-  /// Deferred wgrad items queued for this layer.
-  int64_t pending_wgrads() const;
-
   /// Makes this layer use `weight` (typically another layer's) as its weight: the two share one
   /// parameter, and every contribution to it accumulates. `weight` must be a leaf tensor (a
   /// parameter, not a view such as `other->weight.t()`) of this layer's shape, dtype and device.
@@ -98,19 +85,8 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void tie_weight(const torch::Tensor& weight);
   /// Likewise for the bias; throws c10::ValueError if this layer was built with bias=false.
   void tie_bias(const torch::Tensor& bias);
-
-  /// Registers `hook(param)` as a grad-ready hook of each of this layer's parameters that requires
-  /// grad (TE's name); see register_grad_ready_hook(). They follow a parameter re-tied later;
-  /// they cannot be removed, and a clone() has none.
-  void register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook);
-
-  /// A deep copy with a registration (and, for a named layer, a name "<name>#<id>") of its own.
-  std::shared_ptr<torch::nn::Module> clone(
-      const std::optional<at::Device>& device = std::nullopt) const override;
-  /// torch::save: runs the pending-work guard (check_pending_wgrads) first.
-  void save(torch::serialize::OutputArchive& archive) const override;
-  /// Runs the pending-work guard first (also when called on a module that holds this layer).
-  void zero_grad(bool set_to_none = true) override;
+  // backward_dw(), pending_passes(), register_wgrad_accumulation_and_reduce_hooks(), clone(),
+  // save(), zero_grad(): DeferredWgradModule's.
 
   /// The options the layer was built with.
   LinearOptions options;
@@ -121,8 +97,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
 
  private:
   void check_tie(const char* what, const torch::Tensor& current, const torch::Tensor& tied) const;
-  std::shared_ptr<LayerHandle> layer_;
-  detail::ModuleReduceHooks reduce_hooks_;  // follow re-tying
+  void tie_in_copy(const std::string& name, const torch::Tensor& param) override;
 };
 
 /// `module.parameters()` with each tensor once: a weight tied between layers (tie_weight) is

@@ -6,5 +6,6 @@
 #include "splitgrad/grouped_linear.h"
 #include "splitgrad/layernorm.h"
 #include "splitgrad/linear.h"
+#include "splitgrad/module.h"
 #include "splitgrad/ops.h"
 #include "splitgrad/optim.h"

@@ -1,10 +1,6 @@
 #include "splitgrad/grouped_linear.h"
 
-#include <torch/cuda.h>
-#include <torch/nn/init.h>
-
-#include <algorithm>
-#include <cmath>
+#include <string>
 
 #include "api/module_common.h"
 #include "ops/checks.h"
@@ -23,14 +19,10 @@ void GroupedLinearImpl::reset() {
       "splitgrad::GroupedLinear: expected positive num_gemms, in_features and "
       "out_features, got ",
       options.num_gemms(), ", ", options.in_features(), " and ", options.out_features());
-  const at::Device device = options.device().value_or(
-      torch::cuda::is_available() ? at::Device(at::kCUDA) : at::Device(at::kCPU));
-  const at::ScalarType dtype =
-      options.params_dtype().value_or(c10::typeMetaToScalarType(at::get_default_dtype()));
-  TORCH_CHECK_TYPE(at::isFloatingType(dtype),
-                   "splitgrad::GroupedLinear: expected a floating-point params_dtype, got ",
-                   detail::dtype_name(dtype));
-  const auto tensor_options = torch::TensorOptions().dtype(dtype).device(device);
+  const auto tensor_options =
+      torch::TensorOptions()
+          .dtype(detail::module_dtype("splitgrad::GroupedLinear", options.params_dtype()))
+          .device(detail::module_device(options.device()));
   weights.clear();
   biases.clear();
   for (int64_t i = 0; i < options.num_gemms(); ++i) {  // te.GroupedLinear's order: weight0, bias0, ...
@@ -42,21 +34,16 @@ void GroupedLinearImpl::reset() {
                                           torch::empty({options.out_features()}, tensor_options)));
     }
   }
-  layer_ = std::make_shared<LayerHandle>(options.name());
-  if (options.name().empty()) {
-    layer_->set_name(c10::str("GroupedLinear(", options.num_gemms(), ", ", options.in_features(),
-                              ", ", options.out_features(), ")#", layer_->id()));
-  }
+  layer_ = detail::register_layer(options.name(),
+                                  c10::str("GroupedLinear(", options.num_gemms(), ", ",
+                                           options.in_features(), ", ", options.out_features(), ")"));
   reset_parameters();
 }
 
 void GroupedLinearImpl::reset_parameters() {
-  // Each expert as nn.Linear, expert by expert: kaiming-uniform weight, uniform bias in
-  // ±1/sqrt(fan_in).
-  const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+  // Each expert as nn.Linear, expert by expert (weight0, bias0, weight1, ...).
   for (size_t i = 0; i < weights.size(); ++i) {
-    torch::nn::init::kaiming_uniform_(weights[i], std::sqrt(5));
-    if (i < biases.size()) torch::nn::init::uniform_(biases[i], -bound, bound);
+    detail::reset_linear(weights[i], i < biases.size() ? biases[i] : at::Tensor());
   }
 }
 
@@ -97,18 +84,6 @@ torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
                              fused);
 }
 
-void GroupedLinearImpl::backward_dw() {
-  if (options.delay_wgrad_compute()) layer_->backward_dw();
-}
-
-void GroupedLinearImpl::backward_dw(int64_t pass) {
-  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
-}
-
-std::vector<int64_t> GroupedLinearImpl::pending_passes() const { return layer_->pending_passes(); }
-
-int64_t GroupedLinearImpl::pending_wgrads() const { return layer_->pending(); }
-
 void GroupedLinearImpl::check_expert(int64_t expert) const {
   TORCH_CHECK_INDEX(expert >= 0 && expert < options.num_gemms(), "splitgrad layer '",
                     layer_->name(), "': expected an expert in [0, ", options.num_gemms(), "), got ",
@@ -122,9 +97,8 @@ void GroupedLinearImpl::tie(const char* what, int64_t expert, std::vector<torch:
                     expert, ") on a layer built with bias=false");
   detail::check_tie(*layer_, c10::str("tie_", what, "(", expert, ")"), c10::str(what, expert),
                     params[expert], tied);
-  parameters_[c10::str(what, expert)] = tied;
   params[expert] = tied;
-  reduce_hooks_.follow(own_parameters());
+  retied(c10::str(what, expert), tied);
 }
 
 void GroupedLinearImpl::tie_weight(int64_t expert, const torch::Tensor& weight) {
@@ -135,47 +109,10 @@ void GroupedLinearImpl::tie_bias(int64_t expert, const torch::Tensor& bias) {
   tie("bias", expert, biases, bias);
 }
 
-std::vector<torch::Tensor> GroupedLinearImpl::own_parameters() const {
-  std::vector<torch::Tensor> params(weights);
-  params.insert(params.end(), biases.begin(), biases.end());
-  return params;
-}
-
-void GroupedLinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  // Each tensor once: experts tied to one another share a parameter, whose hook fires once.
-  reduce_hooks_.add(std::move(hook), own_parameters());
-}
-
-std::shared_ptr<torch::nn::Module> GroupedLinearImpl::clone(
-    const std::optional<at::Device>& device) const {
-  auto copy = torch::nn::Cloneable<GroupedLinearImpl>::clone(device);
-  auto& layer = static_cast<GroupedLinearImpl&>(*copy);
-  // Experts tied to each other here share one copy there (as Python's deepcopy keeps them).
-  for (const auto& [name, first] : detail::tied_parameter_names(*this)) {
-    const bool is_weight = name.rfind("weight", 0) == 0;
-    const int64_t expert = std::stoll(name.substr(is_weight ? 6 : 4));
-    if (is_weight) {
-      layer.tie_weight(expert, layer.parameters_[first]);
-    } else {
-      layer.tie_bias(expert, layer.parameters_[first]);
-    }
-  }
-  if (!options.name().empty()) {
-    layer.options.name(c10::str(options.name(), "#", layer.layer_->id()));
-    layer.layer_->set_name(layer.options.name());
-  }
-  return copy;
-}
-
-void GroupedLinearImpl::save(torch::serialize::OutputArchive& archive) const {
-  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"), own_parameters());
-  torch::nn::Cloneable<GroupedLinearImpl>::save(archive);
-}
-
-void GroupedLinearImpl::zero_grad(bool set_to_none) {
-  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
-                       own_parameters());
-  torch::nn::Cloneable<GroupedLinearImpl>::zero_grad(set_to_none);
+void GroupedLinearImpl::tie_in_copy(const std::string& name, const torch::Tensor& param) {
+  const bool is_weight = name.rfind("weight", 0) == 0;
+  const int64_t expert = std::stoll(name.substr(is_weight ? 6 : 4));
+  tie(is_weight ? "weight" : "bias", expert, is_weight ? weights : biases, param);
 }
 
 }  // namespace splitgrad

@@ -179,20 +179,6 @@ torch::Tensor LayerNormLinearImpl::forward(const torch::Tensor& input) {
   return std::get<0>(forward_with_layernorm_output(input));
 }
 
-void LayerNormLinearImpl::backward_dw() {
-  if (options.delay_wgrad_compute()) layer_->backward_dw();
-}
-
-void LayerNormLinearImpl::backward_dw(int64_t pass) {
-  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
-}
-
-std::vector<int64_t> LayerNormLinearImpl::pending_passes() const {
-  return layer_->pending_passes();
-}
-
-int64_t LayerNormLinearImpl::pending_wgrads() const { return layer_->pending(); }
-
 void LayerNormLinearImpl::tie_parameter(const std::string& name, const torch::Tensor& param) {
   tie(*layer_, name,
       {{"layer_norm_weight", &layer_norm_weight},
@@ -200,39 +186,7 @@ void LayerNormLinearImpl::tie_parameter(const std::string& name, const torch::Te
        {"weight", &weight},
        {"bias", &bias}},
       param);
-  parameters_[name] = param;
-  reduce_hooks_.follow(parameters(/*recurse=*/false));
-}
-
-void LayerNormLinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  reduce_hooks_.add(std::move(hook), parameters(/*recurse=*/false));
-}
-
-std::shared_ptr<torch::nn::Module> LayerNormLinearImpl::clone(
-    const std::optional<at::Device>& device) const {
-  auto copy = torch::nn::Cloneable<LayerNormLinearImpl>::clone(device);
-  auto& module = static_cast<LayerNormLinearImpl&>(*copy);
-  // Cloneable copies each name apart: ties among this module's own parameters are made again.
-  for (const auto& [name, first] : detail::tied_parameter_names(*this)) {
-    module.tie_parameter(name, module.parameters_[first]);
-  }
-  if (!options.name().empty()) {  // reset() gave the copy its own registration: name it apart
-    module.options.name(c10::str(options.name(), "#", module.layer_->id()));
-    module.layer_->set_name(module.options.name());
-  }
-  return copy;
-}
-
-void LayerNormLinearImpl::save(torch::serialize::OutputArchive& archive) const {
-  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"),
-                       parameters(/*recurse=*/false));
-  torch::nn::Cloneable<LayerNormLinearImpl>::save(archive);
-}
-
-void LayerNormLinearImpl::zero_grad(bool set_to_none) {
-  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
-                       parameters(/*recurse=*/false));
-  torch::nn::Cloneable<LayerNormLinearImpl>::zero_grad(set_to_none);
+  retied(name, param);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -326,18 +280,6 @@ torch::Tensor LayerNormMLPImpl::forward(const torch::Tensor& input) {
   return std::get<0>(forward_with_layernorm_output(input));
 }
 
-void LayerNormMLPImpl::backward_dw() {
-  if (options.delay_wgrad_compute()) layer_->backward_dw();
-}
-
-void LayerNormMLPImpl::backward_dw(int64_t pass) {
-  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
-}
-
-std::vector<int64_t> LayerNormMLPImpl::pending_passes() const { return layer_->pending_passes(); }
-
-int64_t LayerNormMLPImpl::pending_wgrads() const { return layer_->pending(); }
-
 void LayerNormMLPImpl::tie_parameter(const std::string& name, const torch::Tensor& param) {
   tie(*layer_, name,
       {{"layer_norm_weight", &layer_norm_weight},
@@ -347,39 +289,7 @@ void LayerNormMLPImpl::tie_parameter(const std::string& name, const torch::Tenso
        {"fc2_weight", &fc2_weight},
        {"fc2_bias", &fc2_bias}},
       param);
-  parameters_[name] = param;
-  reduce_hooks_.follow(parameters(/*recurse=*/false));
-}
-
-void LayerNormMLPImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  reduce_hooks_.add(std::move(hook), parameters(/*recurse=*/false));
-}
-
-std::shared_ptr<torch::nn::Module> LayerNormMLPImpl::clone(
-    const std::optional<at::Device>& device) const {
-  auto copy = torch::nn::Cloneable<LayerNormMLPImpl>::clone(device);
-  auto& module = static_cast<LayerNormMLPImpl&>(*copy);
-  // Cloneable copies each name apart: ties among this module's own parameters are made again.
-  for (const auto& [name, first] : detail::tied_parameter_names(*this)) {
-    module.tie_parameter(name, module.parameters_[first]);
-  }
-  if (!options.name().empty()) {  // reset() gave the copy its own registration: name it apart
-    module.options.name(c10::str(options.name(), "#", module.layer_->id()));
-    module.layer_->set_name(module.options.name());
-  }
-  return copy;
-}
-
-void LayerNormMLPImpl::save(torch::serialize::OutputArchive& archive) const {
-  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"),
-                       parameters(/*recurse=*/false));
-  torch::nn::Cloneable<LayerNormMLPImpl>::save(archive);
-}
-
-void LayerNormMLPImpl::zero_grad(bool set_to_none) {
-  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
-                       parameters(/*recurse=*/false));
-  torch::nn::Cloneable<LayerNormMLPImpl>::zero_grad(set_to_none);
+  retied(name, param);
 }
 
 }  // namespace splitgrad

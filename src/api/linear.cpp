@@ -54,18 +54,6 @@ torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
                      std::nullopt, fused);
 }
 
-void LinearImpl::backward_dw() {
-  if (options.delay_wgrad_compute()) layer_->backward_dw();
-}
-
-void LinearImpl::backward_dw(int64_t pass) {
-  if (options.delay_wgrad_compute()) layer_->backward_dw(pass);
-}
-
-std::vector<int64_t> LinearImpl::pending_passes() const { return layer_->pending_passes(); }
-
-int64_t LinearImpl::pending_wgrads() const { return layer_->pending(); }
-
 void LinearImpl::check_tie(const char* what, const torch::Tensor& current,
                            const torch::Tensor& tied) const {
   detail::check_tie(*layer_, c10::str("tie_", what), what, current, tied);
@@ -73,42 +61,16 @@ void LinearImpl::check_tie(const char* what, const torch::Tensor& current,
 
 void LinearImpl::tie_weight(const torch::Tensor& new_weight) {
   check_tie("weight", weight, new_weight);
-  parameters_["weight"] = new_weight;
   weight = new_weight;
-  reduce_hooks_.follow({weight, bias});
+  retied("weight", weight);
 }
 
 void LinearImpl::tie_bias(const torch::Tensor& new_bias) {
   TORCH_CHECK_VALUE(bias.defined(), "splitgrad layer '", layer_->name(),
                     "': tie_bias on a layer built with bias=false");
   check_tie("bias", bias, new_bias);
-  parameters_["bias"] = new_bias;
   bias = new_bias;
-  reduce_hooks_.follow({weight, bias});
-}
-
-std::shared_ptr<torch::nn::Module> LinearImpl::clone(
-    const std::optional<at::Device>& device) const {
-  auto copy = torch::nn::Cloneable<LinearImpl>::clone(device);
-  auto& linear = static_cast<LinearImpl&>(*copy);
-  // reset() gave the copy a registration of its own; a default name already carries its id, a
-  // user's name gets it too, so messages tell the two apart.
-  if (!options.name().empty()) {
-    linear.options.name(c10::str(options.name(), "#", linear.layer_->id()));
-    linear.layer_->set_name(linear.options.name());
-  }
-  return copy;
-}
-
-void LinearImpl::save(torch::serialize::OutputArchive& archive) const {
-  check_pending_wgrads(c10::str("saving splitgrad layer '", layer_->name(), "'"), {weight, bias});
-  torch::nn::Cloneable<LinearImpl>::save(archive);
-}
-
-void LinearImpl::zero_grad(bool set_to_none) {
-  check_pending_wgrads(c10::str("zero_grad() of splitgrad layer '", layer_->name(), "'"),
-                       {weight, bias});
-  torch::nn::Cloneable<LinearImpl>::zero_grad(set_to_none);
+  retied("bias", bias);
 }
 
 std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
@@ -121,8 +83,10 @@ std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
   return out;
 }
 
-void LinearImpl::register_wgrad_accumulation_and_reduce_hooks(GradReadyHook hook) {
-  reduce_hooks_.add(std::move(hook), {weight, bias});
+void LinearImpl::tie_in_copy(const std::string& name, const torch::Tensor& param) {
+  // weight [out, in] and bias [out] are never one tensor: nothing of a Linear is tied within it.
+  TORCH_INTERNAL_ASSERT(false, "splitgrad::Linear: no parameter can be tied to another of its own (", name,
+                        ")");
 }
 
 }  // namespace splitgrad

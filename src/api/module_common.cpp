@@ -79,21 +79,6 @@ void check_tie(const LayerHandle& layer, const std::string& call, const std::str
                     current.device(), " for ", what, " (the layer's device), got ", tied.device());
 }
 
-std::vector<std::pair<std::string, std::string>> tied_parameter_names(
-    const torch::nn::Module& module) {
-  const auto params = module.named_parameters(/*recurse=*/false);
-  std::vector<std::pair<std::string, std::string>> ties;
-  for (size_t i = 0; i < params.size(); ++i) {
-    for (size_t first = 0; first < i; ++first) {
-      if (params[first].value().is_same(params[i].value())) {
-        ties.emplace_back(params[i].key(), params[first].key());
-        break;
-      }
-    }
-  }
-  return ties;
-}
-
 void ModuleReduceHooks::install(const GradReadyHook& hook, const std::vector<at::Tensor>& params) {
   std::vector<at::Tensor> seen;
   for (const auto& param : params) {

@@ -1,7 +1,8 @@
 #pragma once
-// What the C++ modules (Linear, LayerNormLinear, LayerNormMLP) share, written once: where their
-// parameters go, their registration with the deferred-wgrad store, nn.Linear's initialisation,
-// the fused main_grad lookup and the checks of a tie.
+// What the C++ modules (Linear, GroupedLinear, LayerNormLinear, LayerNormMLP) share in building
+// and running them, written once: where their parameters go, their registration with the
+// deferred-wgrad store, nn.Linear's initialisation, the fused main_grad lookup and the checks of
+// a tie. (What they offer alike to callers is DeferredWgradModule's, splitgrad/module.h.)
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -43,10 +44,5 @@ std::optional<at::Tensor> fused_main_grad(const LayerHandle& layer, const at::Te
 /// messages: "tie_weight"): a defined leaf of its shape, dtype and device.
 void check_tie(const LayerHandle& layer, const std::string& call, const std::string& what,
                const at::Tensor& current, const at::Tensor& tied);
-
-/// The ties among `module`'s own parameters, for clone(): each name whose tensor an earlier name
-/// also holds, with that earlier name. (torch::nn::Cloneable copies each name apart.)
-std::vector<std::pair<std::string, std::string>> tied_parameter_names(
-    const torch::nn::Module& module);
 
 }  // namespace splitgrad::detail
