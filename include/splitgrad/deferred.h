@@ -152,9 +152,19 @@ std::optional<int64_t> grad_ready_pass();
 namespace detail {
 /// The hooks a module registered with register_wgrad_accumulation_and_reduce_hooks(), kept so that
 /// they follow its parameters when one is re-tied (tie_weight), as the Python modules' do. A copy
-/// (a clone's) starts with none: the module's reset() clears it.
+/// (a copied module's, a clone's) starts with none; a move takes them along.
 class ModuleReduceHooks {
  public:
+  ModuleReduceHooks() = default;
+  /// A copy (a copied module's) starts with none: the hooks stay on the original's parameters,
+  /// and a tie on the copy must not move them.
+  ModuleReduceHooks(const ModuleReduceHooks& /*other*/) {}
+  ModuleReduceHooks& operator=(const ModuleReduceHooks& other) {
+    if (this != &other) clear();
+    return *this;
+  }
+  ModuleReduceHooks(ModuleReduceHooks&&) = default;
+  ModuleReduceHooks& operator=(ModuleReduceHooks&&) = default;
   /// Registers `hook` as a grad-ready hook of each of `params` that requires grad, each tensor
   /// once, and keeps it.
   void add(GradReadyHook hook, const std::vector<at::Tensor>& params);

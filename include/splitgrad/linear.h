@@ -85,8 +85,9 @@ class LinearImpl : public DeferredWgradModule<LinearImpl> {
   void tie_weight(const torch::Tensor& weight);
   /// Likewise for the bias; throws c10::ValueError if this layer was built with bias=false.
   void tie_bias(const torch::Tensor& bias);
-  // backward_dw(), pending_passes(), register_wgrad_accumulation_and_reduce_hooks(), clone(),
-  // save(), zero_grad(): DeferredWgradModule's.
+  // backward_dw(), pending_passes(), pending_wgrads(),
+  // register_wgrad_accumulation_and_reduce_hooks(), clone(), save(), zero_grad():
+  // DeferredWgradModule's.
 
   /// The options the layer was built with.
   LinearOptions options;

@@ -25,7 +25,8 @@ void GroupedLinearImpl::reset() {
           .device(detail::module_device(options.device()));
   weights.clear();
   biases.clear();
-  for (int64_t i = 0; i < options.num_gemms(); ++i) {  // te.GroupedLinear's order: weight0, bias0, ...
+  // te.GroupedLinear's order: weight0, bias0, weight1, ...
+  for (int64_t i = 0; i < options.num_gemms(); ++i) {
     weights.push_back(register_parameter(
         c10::str("weight", i),
         torch::empty({options.out_features(), options.in_features()}, tensor_options)));
@@ -34,9 +35,9 @@ void GroupedLinearImpl::reset() {
                                           torch::empty({options.out_features()}, tensor_options)));
     }
   }
-  layer_ = detail::register_layer(options.name(),
-                                  c10::str("GroupedLinear(", options.num_gemms(), ", ",
-                                           options.in_features(), ", ", options.out_features(), ")"));
+  layer_ = detail::register_layer(
+      options.name(), c10::str("GroupedLinear(", options.num_gemms(), ", ", options.in_features(),
+                               ", ", options.out_features(), ")"));
   reset_parameters();
 }
 

@@ -85,8 +85,8 @@ std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& module) {
 
 void LinearImpl::tie_in_copy(const std::string& name, const torch::Tensor& param) {
   // weight [out, in] and bias [out] are never one tensor: nothing of a Linear is tied within it.
-  TORCH_INTERNAL_ASSERT(false, "splitgrad::Linear: no parameter can be tied to another of its own (", name,
-                        ")");
+  TORCH_INTERNAL_ASSERT(
+      false, "splitgrad::Linear: no parameter can be tied to another of its own (", name, ")");
 }
 
 }  // namespace splitgrad

@@ -35,10 +35,9 @@ struct Traits<splitgrad::Linear> {
 template <>
 struct Traits<splitgrad::GroupedLinear> {
   static splitgrad::GroupedLinear build(bool delay, const std::string& name) {
-    return splitgrad::GroupedLinear(splitgrad::GroupedLinearOptions(2, 4, 3)
-                                        .delay_wgrad_compute(delay)
-                                        .name(name)
-                                        .device(kCPU));
+    return splitgrad::GroupedLinear(
+        splitgrad::GroupedLinearOptions(2, 4, 3).delay_wgrad_compute(delay).name(name).device(
+            kCPU));
   }
   static void backward(splitgrad::GroupedLinear& m) {
     m(torch::randn({5, 4}), torch::tensor({2, 3})).sum().backward();
@@ -53,12 +52,9 @@ template <>
 struct Traits<splitgrad::LayerNormLinear> {
   static splitgrad::LayerNormLinear build(bool delay, const std::string& name) {
     return splitgrad::LayerNormLinear(
-        splitgrad::LayerNormLinearOptions(4, 3).delay_wgrad_compute(delay).name(name).device(
-            kCPU));
+        splitgrad::LayerNormLinearOptions(4, 3).delay_wgrad_compute(delay).name(name).device(kCPU));
   }
-  static void backward(splitgrad::LayerNormLinear& m) {
-    m(torch::randn({5, 4})).sum().backward();
-  }
+  static void backward(splitgrad::LayerNormLinear& m) { m(torch::randn({5, 4})).sum().backward(); }
   static torch::Tensor tied(splitgrad::LayerNormLinear& m) { return m->weight; }
   static void tie(splitgrad::LayerNormLinear& m, splitgrad::LayerNormLinear& other) {
     m->tie_parameter("weight", other->weight);
@@ -134,12 +130,26 @@ TYPED_TEST(ModuleBase, HooksFollowARetiedParameter) {
   EXPECT_EQ(shared_fired, 1);
 }
 
+TYPED_TEST(ModuleBase, ATieOnACopiedImplLeavesTheOriginalsHooks) {
+  using T = Traits<TypeParam>;
+  auto module = T::build(/*delay=*/true, "");
+  auto other = T::build(/*delay=*/false, "");
+  int fired = 0;
+  module->register_wgrad_accumulation_and_reduce_hooks([&](const torch::Tensor&) { ++fired; });
+  TypeParam copy(std::make_shared<typename TypeParam::ContainedType>(*module));  // copies the Impl
+  T::tie(copy, other);
+  T::backward(module);
+  module->backward_dw();
+  EXPECT_EQ(fired, static_cast<int>(module->parameters().size()));
+}
+
 TYPED_TEST(ModuleBase, NamedCloneHasItsOwnNameAndNoHooks) {
   using T = Traits<TypeParam>;
   auto module = T::build(/*delay=*/true, "original");
   int fired = 0;
   module->register_wgrad_accumulation_and_reduce_hooks([&](const torch::Tensor&) { ++fired; });
-  auto copy = TypeParam(std::dynamic_pointer_cast<typename TypeParam::ContainedType>(module->clone()));
+  auto copy =
+      TypeParam(std::dynamic_pointer_cast<typename TypeParam::ContainedType>(module->clone()));
   const std::string name = copy->options.name();
   EXPECT_EQ(name.rfind("original#", 0), 0u) << name;
   EXPECT_NE(name, "original#");
