@@ -2,7 +2,9 @@
 with the shipped kernels and PyTorch's contenders on bench_grouped.py's shapes: what picks the
 kernels in src/cuda/grouped_gemm.cpp.
 
-Needs a tuning build, which also compiles the variants listed in src/cuda/sm90/CMakeLists.txt:
+Needs a tuning build, which also compiles the variants listed in src/cuda/sm90/CMakeLists.txt
+(all of them, or those whose names match -DSPLITGRAD_GROUPED_GEMM_TUNING_VARIANTS=<regex>; the
+others are then reported as skipped):
 
     SPLITGRAD_CMAKE_ARGS=-DSPLITGRAD_GROUPED_GEMM_TUNING=ON bash scripts/gpu_run.sh build
     bash scripts/gpu_run.sh python benchmarks/tune_grouped.py --out out

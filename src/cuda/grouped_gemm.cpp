@@ -2,6 +2,7 @@
 // sm_90 target are at hand) and checks what the kernels need before launching.
 #include "cuda/grouped_gemm.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +54,16 @@ const sm90::TuningVariant* forced_variant(const GroupedGemmArgs& args) {
     }
   }
   return nullptr;
+}
+
+// Whether SPLITGRAD_GROUPED_GEMM_VARIANT names a variant this build lacks (one left out by
+// SPLITGRAD_GROUPED_GEMM_TUNING_VARIANTS): an error then, not the shipped kernel timed in its name.
+bool forced_variant_missing() {
+  const char* name = std::getenv("SPLITGRAD_GROUPED_GEMM_VARIANT");
+  if (name == nullptr) return false;
+  return std::none_of(
+      tuning_variants().begin(), tuning_variants().end(),
+      [name](const sm90::TuningVariant& v) { return std::strcmp(v.name, name) == 0; });
 }
 #endif
 
@@ -118,6 +129,7 @@ cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
       reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0 && args.groups < (int64_t{1} << 31);
   if (!takes) return cudaErrorNotSupported;
 #ifdef SPLITGRAD_GROUPED_GEMM_TUNING
+  if (forced_variant_missing()) return cudaErrorInvalidConfiguration;
   // A forced variant that cannot run must not be timed as the fallback loop: an error instead.
   if (forced_variant(args) != nullptr) {
     const cudaError_t status = kernel.run(args, stream);
