@@ -156,15 +156,14 @@ cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, const at::Tenso
   return args;
 }
 
-// The start of each slice along the first dimension of a contiguous `stacked` tensor, by pointer
-// arithmetic (no tensor per slice); none when it has no slices.
-std::vector<const void*> slice_pointers(const at::Tensor& stacked) {
+// The start of each of `count` consecutive blocks of `numel` elements of the contiguous `buffer`,
+// the first at element `offset`, by pointer arithmetic (no tensor per block).
+std::vector<const void*> block_pointers(const at::Tensor& buffer, int64_t offset, int64_t count,
+                                        int64_t numel) {
   std::vector<const void*> pointers;
-  const int64_t count = stacked.numel() == 0 ? 0 : stacked.size(0);
   pointers.reserve(count);
-  const auto* base = static_cast<const char*>(stacked.data_ptr());
-  const int64_t bytes = count == 0 ? 0 : stacked.stride(0) * stacked.element_size();
-  for (int64_t g = 0; g < count; ++g) pointers.push_back(base + g * bytes);
+  const auto* first = static_cast<const char*>(buffer.data_ptr()) + offset * buffer.element_size();
+  for (int64_t g = 0; g < count; ++g) pointers.push_back(first + g * numel * buffer.element_size());
   return pointers;
 }
 
@@ -425,14 +424,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
     // keeps its zeros, as nn.Linear's backward gives it). One buffer (one allocation, one fill)
     // holds the weights' gradients, then the biases'; the bias kernel sums in fp32 and adds once,
     // so a bf16 bias gradient is its fp32 sum rounded once, as dy.sum(0)'s.
-    const int64_t weight_numel = groups * out * in;
-    const at::Tensor grads =
-        at::zeros({weight_numel + (compute_bias_grad ? groups * out : 0)}, input.options());
-    const at::Tensor weight_grads = grads.narrow(0, 0, weight_numel).view({groups, out, in});
-    const at::Tensor bias_grads = grads.narrow(0, weight_numel, grads.numel() - weight_numel)
-                                      .view({compute_bias_grad ? groups : 0, out});
-    if (accumulate_grouped(who, dy, x, m_splits, slice_pointers(weight_grads), CUDA_R_16BF,
-                           slice_pointers(bias_grads), CUDA_R_16BF)) {
+    const int64_t weight_numel = groups * out * in, bias_groups = compute_bias_grad ? groups : 0;
+    const at::Tensor grads = at::zeros({weight_numel + bias_groups * out}, input.options());
+    if (accumulate_grouped(who, dy, x, m_splits, block_pointers(grads, 0, groups, out * in),
+                           CUDA_R_16BF, block_pointers(grads, weight_numel, bias_groups, out),
+                           CUDA_R_16BF)) {
       return {blocks_of(grads, 0, groups, {out, in}),
               compute_bias_grad ? blocks_of(grads, weight_numel, groups, {out})
                                 : std::vector<at::Tensor>()};
