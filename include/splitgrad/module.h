@@ -22,8 +22,8 @@ namespace splitgrad {
 /// The base of the splitgrad modules, over torch::nn::Cloneable as torch::nn's own modules are
 /// (`class LinearImpl : public DeferredWgradModule<LinearImpl>`). `Derived` has an `options`
 /// member with delay_wgrad_compute() and name(), sets `layer_` in its reset() (its registration
-/// with the deferred-wgrad store) and clears `reduce_hooks_` there, and re-ties a parameter by
-/// name in tie_in_copy().
+/// with the deferred-wgrad store), and re-ties a parameter by name in tie_in_copy(). A clone's
+/// `reduce_hooks_` start empty (a copied ModuleReduceHooks has none).
 template <class Derived>
 class DeferredWgradModule : public torch::nn::Cloneable<Derived> {
  public:

@@ -13,7 +13,6 @@ GroupedLinearImpl::GroupedLinearImpl(const GroupedLinearOptions& options_) : opt
 }
 
 void GroupedLinearImpl::reset() {
-  reduce_hooks_.clear();  // a clone starts without the original's hooks
   TORCH_CHECK_VALUE(
       options.num_gemms() > 0 && options.in_features() > 0 && options.out_features() > 0,
       "splitgrad::GroupedLinear: expected positive num_gemms, in_features and "

@@ -122,7 +122,6 @@ LayerNormLinearImpl::LayerNormLinearImpl(const LayerNormLinearOptions& options_)
 }
 
 void LayerNormLinearImpl::reset() {
-  reduce_hooks_.clear();  // a clone starts without the original's hooks
   TORCH_CHECK_VALUE(options.in_features() > 0 && options.out_features() > 0,
                     "splitgrad::LayerNormLinear: expected positive in_features and out_features, "
                     "got ",
@@ -197,7 +196,6 @@ LayerNormMLPImpl::LayerNormMLPImpl(const LayerNormMLPOptions& options_) : option
 }
 
 void LayerNormMLPImpl::reset() {
-  reduce_hooks_.clear();  // a clone starts without the original's hooks
   TORCH_CHECK_VALUE(options.hidden_size() > 0 && options.ffn_hidden_size() > 0,
                     "splitgrad::LayerNormMLP: expected positive hidden_size and ffn_hidden_size, "
                     "got ",

@@ -22,7 +22,6 @@ void LinearImpl::reset() {
   bias = options.bias()
              ? register_parameter("bias", torch::empty({options.out_features()}, tensor_options))
              : register_parameter("bias", torch::Tensor(), /*requires_grad=*/false);
-  reduce_hooks_.clear();  // a clone starts without the original's hooks
   layer_ = detail::register_layer(options.name(), c10::str("Linear(", options.in_features(), ", ",
                                                            options.out_features(), ")"));
   reset_parameters();
