@@ -59,15 +59,16 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
                                 at::TensorList weights, at::TensorList biases) {
   detail::check_grouped_linear_args(detail::named("splitgrad::grouped_linear_fprop"), input,
                                     m_splits, weights, biases, /*splits_on_cpu_only=*/false);
-  return at::empty(detail::with_last_dim(input.sizes(), weights[0].size(0)), input.options());
+  return at::empty_symint(detail::with_last_dim(input.sym_sizes(), weights[0].sym_size(0)),
+                          input.options());
 }
 
 at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor& m_splits,
                                 at::TensorList weights) {
   detail::check_grouped_dgrad_args(detail::named("splitgrad::grouped_linear_dgrad"), grad_output,
                                    m_splits, weights, /*splits_on_cpu_only=*/false);
-  return at::empty(detail::with_last_dim(grad_output.sizes(), weights[0].size(1)),
-                   grad_output.options());
+  return at::empty_symint(detail::with_last_dim(grad_output.sym_sizes(), weights[0].sym_size(1)),
+                          grad_output.options());
 }
 
 std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgrad(
@@ -75,11 +76,11 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
     bool compute_bias_grad) {
   detail::check_grouped_wgrad_args(detail::named("splitgrad::grouped_linear_wgrad"), grad_output,
                                    input, m_splits, /*splits_on_cpu_only=*/false);
-  const int64_t out = grad_output.size(-1);
+  const c10::SymInt out = grad_output.sym_size(-1);
   std::vector<at::Tensor> weight_grads, bias_grads;
   for (int64_t i = 0; i < m_splits.size(0); ++i) {
-    weight_grads.push_back(at::empty({out, input.size(-1)}, input.options()));
-    if (compute_bias_grad) bias_grads.push_back(at::empty({out}, input.options()));
+    weight_grads.push_back(at::empty_symint({out, input.sym_size(-1)}, input.options()));
+    if (compute_bias_grad) bias_grads.push_back(at::empty_symint({out}, input.options()));
   }
   return {std::move(weight_grads), std::move(bias_grads)};
 }

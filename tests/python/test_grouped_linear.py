@@ -813,6 +813,37 @@ def test_compile_fullgraph_with_a_routers_counts_as_a_list():
     _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
+def test_compile_dynamic_traces_once_for_all_token_counts():
+    """A router's token counts change every step: the fake kernels keep the token dimension
+    symbolic, so one graph serves them all (as test_workflows' Linear test), not one per count."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    layer = _layer(n=3)
+    reference = to_reference(layer)
+    compiled = torch.compile(layer, dynamic=True, backend="aot_eager")
+    for splits in ([2, 0, 3], [4, 1, 0], [1, 7, 9], [0, 0, 6]):
+        x, gy = _data(splits)
+        layer.zero_grad()
+        reference.zero_grad()
+        compiled(x, torch.tensor(splits)).backward(gy)
+        reference(x, splits).backward(gy)
+        _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_export_with_a_dynamic_token_dimension():
+    layer = _layer(n=3)
+    tokens = torch.export.Dim("tokens", min=2, max=1024)
+    exported = torch.export.export(layer, (torch.randn(5, IN), torch.tensor([2, 0, 3])),
+                                   dynamic_shapes=({0: tokens}, None))
+    for splits in ([4, 1, 4], [0, 11, 2]):
+        x = torch.randn(sum(splits), IN)
+        torch.testing.assert_close(exported.module()(x, torch.tensor(splits)), layer(x, splits),
+                                   rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------------------
 # Property: any routing, tying, micro-batch schedule and W order
 # ------------------------------------------------------------------------------------------------
