@@ -100,7 +100,6 @@ class GroupedLinear(_DeferredWgradModule):
         self.num_gemms = num_gemms
         self.in_features = in_features
         self.out_features = out_features
-        self.use_bias = bool(bias)
         self.return_bias = bool(return_bias)
         self.delay_wgrad_compute = bool(delay_wgrad_compute)
         self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
@@ -122,12 +121,32 @@ class GroupedLinear(_DeferredWgradModule):
     @property
     def weights(self) -> list[nn.Parameter]:
         """weight0 … weight{n-1}, as the module holds them now (after any tying)."""
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        for i, weight in enumerate(weights):
+            if not isinstance(weight, torch.Tensor):
+                raise ArgumentError(f"splitgrad layer '{self.name}': expected weight{i} to be a tensor of shape "
+                                    f"[{self.out_features}, {self.in_features}], got {type(weight).__name__}")
+        return weights
 
     @property
     def biases(self) -> list[nn.Parameter]:
-        """bias0 … bias{n-1}, or [] without bias."""
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if self.use_bias else []
+        """bias0 … bias{n-1} as the module holds them now, or [] where none is set (bias=False, as
+        nn.Linear's bias: biases assigned later are used). Every expert has a bias, or none has."""
+        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        missing = [i for i, bias in enumerate(biases) if bias is None]
+        if len(missing) == len(biases):
+            return []
+        if missing:
+            present = next(i for i, bias in enumerate(biases) if bias is not None)
+            raise ArgumentError(f"splitgrad layer '{self.name}': expected a bias for every expert or for none, got "
+                                f"bias{missing[0]} = None and bias{present} set ({len(missing)} of "
+                                f"{self.num_gemms} missing)")
+        return biases
+
+    @property
+    def use_bias(self) -> bool:
+        """Whether the experts have biases now (te.GroupedLinear's attribute)."""
+        return any(getattr(self, f"bias{i}") is not None for i in range(self.num_gemms))
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         """Each expert as nn.Linear (or ``init_method(weight_i)``, by default the one given at
@@ -202,7 +221,7 @@ class GroupedLinear(_DeferredWgradModule):
         # return_bias (te.GroupedLinear): the caller adds the biases, so autograd owns their gradients.
         out = self._grouped(inp, splits, weights, [] if self.return_bias else biases)
         if self.return_bias:
-            return out, biases if self.use_bias else [None] * self.num_gemms
+            return out, biases or [None] * self.num_gemms
         return out
 
     def _grouped(self, inp, splits, weights, biases) -> torch.Tensor:

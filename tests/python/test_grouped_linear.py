@@ -670,6 +670,49 @@ def test_without_bias_each_bias_is_none():
     _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_biases_assigned_after_bias_false_are_used(delay):
+    """nn.Linear(bias=False) uses a bias assigned later; so does every expert here."""
+    layer = _layer(n=3, bias=False, delay_wgrad_compute=delay)
+    for i in range(3):
+        setattr(layer, f"bias{i}", nn.Parameter(torch.randn(OUT)))
+    assert layer.use_bias and len(layer.biases) == 3
+    reference = to_reference(layer)
+    x, gy = _data([2, 0, 3])
+    layer(x, [2, 0, 3]).backward(gy)
+    reference(x, [2, 0, 3]).backward(gy)
+    if delay:
+        assert layer.bias0.grad is None
+        layer.backward_dw()
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+
+
+def test_every_bias_set_to_none_runs_without_bias():
+    layer = _layer(n=3)
+    for i in range(3):
+        setattr(layer, f"bias{i}", None)
+    assert layer.biases == [] and not layer.use_bias
+    reference = to_reference(layer)
+    x, gy = _data([2, 0, 3])
+    layer(x, [2, 0, 3]).backward(gy)
+    reference(x, [2, 0, 3]).backward(gy)
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+
+
+def test_one_expert_without_bias_or_weight_is_a_clear_error():
+    layer = _layer(n=3)
+    x, _ = _data([2, 0, 3])
+    layer.bias1 = None
+    with pytest.raises(splitgrad.ArgumentError, match=r"bias for every expert or for none, got bias1 = None"):
+        layer(x, [2, 0, 3])
+    layer = _layer(n=3)
+    layer.weight2 = None
+    with pytest.raises(splitgrad.ArgumentError, match=rf"expected weight2 to be a tensor of shape \[{OUT}, {IN}\], "
+                                                      r"got NoneType"):
+        layer(x, [2, 0, 3])
+    assert splitgrad.pending_wgrads() == 0
+
+
 def test_backward_dw_with_nothing_pending():
     layer = _layer(delay_wgrad_compute=True, name="moe")
     with pytest.raises(RuntimeError, match="splitgrad layer 'moe': backward_dw\\(\\) was called but no backward pass"):
