@@ -7,6 +7,8 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <string>
+#include <type_traits>
 #include <unordered_map>
 
 #include "ops/checks.h"
@@ -24,6 +26,32 @@ at::Tensor entry(const OptTensorList& list, size_t i) {
   if (list.empty()) return at::Tensor();
   const std::optional<at::Tensor> t = list.get(i);
   return t.has_value() ? *t : at::Tensor();
+}
+
+// Per-group tensors as saved_data entries of their own ("w0", "w1", ...; an absent one is not
+// saved): compiled autograd swaps a saved_data tensor for its proxy only at the top level, not
+// inside a list.
+template <class Tensors>
+void save_groups(AutogradContext* ctx, const char* prefix, const Tensors& tensors) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    at::Tensor t;
+    if constexpr (std::is_same_v<Tensors, OptTensorList>) {
+      t = entry(tensors, i);
+    } else {
+      t = tensors[i];
+    }
+    if (t.defined()) ctx->saved_data[prefix + std::to_string(i)] = std::move(t);
+  }
+}
+
+// save_groups()'s tensors back, an undefined tensor where none was saved.
+std::vector<at::Tensor> saved_groups(AutogradContext* ctx, const char* prefix, size_t groups) {
+  std::vector<at::Tensor> tensors(groups);
+  for (size_t i = 0; i < groups; ++i) {
+    const auto it = ctx->saved_data.find(prefix + std::to_string(i));
+    if (it != ctx->saved_data.end()) tensors[i] = it->second.toTensor();
+  }
+  return tensors;
 }
 
 std::string who_of(core::LayerId layer) {
@@ -121,10 +149,11 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     ctx->save_for_backward(saved);
     // The parameters themselves, for the gradient sinks (saved tensors may come back as copies:
     // see linear_autograd.cpp).
-    ctx->saved_data["weights"] = weights.vec();
-    ctx->saved_data["biases"] = biases.vec();
-    ctx->saved_data["weight_main_grads"] = weight_main_grads;
-    ctx->saved_data["bias_main_grads"] = bias_main_grads;
+    save_groups(ctx, "w", weights);
+    save_groups(ctx, "b", biases);
+    save_groups(ctx, "wm", weight_main_grads);
+    save_groups(ctx, "bm", bias_main_grads);
+    ctx->saved_data["has_bias"] = !biases.empty();
     ctx->saved_data["lazy_main_grad"] = lazy_main_grad;
     ctx->saved_data["layer_id"] = layer_id;
     ctx->saved_data["delay"] = delay;
@@ -143,14 +172,16 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       compute_dtype = ctx->saved_data["compute_dtype"].toScalarType();
     const std::vector<at::Tensor> weight_values =
         in_compute_dtype(std::vector<at::Tensor>(saved.begin() + 2, saved.end()), compute_dtype);
-    const std::vector<at::Tensor> weights = ctx->saved_data["weights"].toTensorVector();
-    const std::vector<at::Tensor> biases = ctx->saved_data["biases"].toTensorVector();
-    const auto weight_main_grads = ctx->saved_data["weight_main_grads"].toOptionalTensorList();
-    const auto bias_main_grads = ctx->saved_data["bias_main_grads"].toOptionalTensorList();
+    const size_t groups = saved.size() - 2;  // input, m_splits, then each weight's value
+    const std::vector<at::Tensor> weights = saved_groups(ctx, "w", groups);
+    const std::vector<at::Tensor> biases = ctx->saved_data["has_bias"].toBool()
+                                               ? saved_groups(ctx, "b", groups)
+                                               : std::vector<at::Tensor>();
+    const std::vector<at::Tensor> weight_main_grads = saved_groups(ctx, "wm", groups);
+    const std::vector<at::Tensor> bias_main_grads = saved_groups(ctx, "bm", groups);
     const bool lazy_main_grad = ctx->saved_data["lazy_main_grad"].toBool();
     const core::LayerId layer = ctx->saved_data["layer_id"].toInt();
     const bool delay = defers_wgrad(ctx->saved_data["delay"].toBool(), layer);
-    const size_t groups = weights.size();
     const bool has_bias = !biases.empty();
     // One gradient per flattened forward argument: input, m_splits, each weight, each bias, then
     // the five non-tensor arguments.
@@ -181,8 +212,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       for (size_t i = 0; i < groups && create_graph; ++i) {
         check_no_fused_double_backward(
             [&] { return who_of(layer); },
-            (weight_wanted[i] && (entry(weight_main_grads, i).defined() || lazy_main_grad)) ||
-                (bias_wanted[i] && (entry(bias_main_grads, i).defined() || lazy_main_grad)));
+            (weight_wanted[i] && (weight_main_grads[i].defined() || lazy_main_grad)) ||
+                (bias_wanted[i] && (bias_main_grads[i].defined() || lazy_main_grad)));
       }
       const at::Tensor dy = flatten_tokens(grad_output);
       const at::Tensor x = flatten_tokens(input);
@@ -192,12 +223,10 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       if (ctx->needs_input_grad(0)) {
         std::vector<at::Tensor> dxs;
         for (size_t i = 0; i < groups; ++i) {
-          const bool fused =
-              create_graph && (entry(weight_main_grads, i).defined() || lazy_main_grad);
-          dxs.push_back(at::mm(
-              dys[i], fused ? refuse_second_order_weight_grad([&] { return who_of(layer); },
-                                                              weight_values[i])
-                            : weight_values[i]));
+          const bool fused = create_graph && (weight_main_grads[i].defined() || lazy_main_grad);
+          dxs.push_back(at::mm(dys[i], fused ? refuse_second_order_weight_grad(
+                                                   [&] { return who_of(layer); }, weight_values[i])
+                                             : weight_values[i]));
         }
         grads[0] = at::cat(dxs).view(input.sizes());
       }
@@ -222,8 +251,8 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       const bool weight_sink = weight_wanted[i] && pass_accumulates_into(weights[i]);
       const bool bias_sink = bias_wanted[i] && pass_accumulates_into(biases[i]);
       sinks[i] = {weight_sink ? weights[i] : at::Tensor(), bias_sink ? biases[i] : at::Tensor(),
-                  weight_sink ? entry(weight_main_grads, i) : at::Tensor(),
-                  bias_sink ? entry(bias_main_grads, i) : at::Tensor()};
+                  weight_sink ? weight_main_grads[i] : at::Tensor(),
+                  bias_sink ? bias_main_grads[i] : at::Tensor()};
       any_sink |= weight_sink || bias_sink;
       any_returned |= (weight_wanted[i] && !weight_sink) || (bias_wanted[i] && !bias_sink);
     }

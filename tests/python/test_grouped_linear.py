@@ -876,6 +876,37 @@ def test_compile_dynamic_traces_once_for_all_token_counts():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["regular", "delayed", "fused", "delayed-fused"])
+@pytest.mark.parametrize("how", ["config", "context"])
+def test_compiled_autograd_matches_per_expert_autograd(delay, fused, how):
+    """Compiled autograd (torchtitan's option: dynamo's compiled_autograd flag with a compiled
+    step, or the context manager) traces the backward: each expert's tensors it reads are lifted
+    to its proxies (they were kept in lists it does not look into: an AssertionError)."""
+    layer = _layer(n=3, delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
+    if fused:
+        for p in layer.weights + layer.biases:
+            p.main_grad = torch.zeros(p.shape)
+    reference = to_reference(layer)
+    x, gy = _data([2, 0, 3])
+    torch._dynamo.reset()
+    if how == "config":
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(lambda: layer(x, [2, 0, 3]).backward(gy), backend="aot_eager")()
+    else:
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            layer(x, [2, 0, 3]).backward(gy)
+    layer.backward_dw()
+    reference(x, [2, 0, 3]).backward(gy)
+    if fused:
+        for name, p in layer.named_parameters():
+            torch.testing.assert_close(p.main_grad, reference.get_parameter(name).grad, rtol=0, atol=0,
+                                       msg=lambda m, name=name: f"{name}.main_grad: {m}")
+            assert p.grad is None, name
+    else:
+        _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+
+
 def test_export_with_a_dynamic_token_dimension():
     layer = _layer(n=3)
     tokens = torch.export.Dim("tokens", min=2, max=1024)

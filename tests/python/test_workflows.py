@@ -632,6 +632,28 @@ def test_compile_dynamic_traces_once_for_all_sizes():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("how", ["config", "context"])
+def test_compiled_autograd_matches_nn_linear(delay, how):
+    """Compiled autograd (dynamo's compiled_autograd flag with a compiled step, or the context
+    manager) traces the C++ backward; the gradients are nn.Linear's."""
+    model = nn.Sequential(layer(delay), nn.GELU(), layer(delay))
+    twins = nn.Sequential(plain_twin(model[0]), nn.GELU(), plain_twin(model[2]))
+    x = torch.randn(5, D)
+    torch._dynamo.reset()
+    if how == "config":
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(lambda: model(x).pow(2).sum().backward(), backend="aot_eager")()
+    else:
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            model(x).pow(2).sum().backward()
+    if delay:
+        splitgrad.backward_dw_all()
+    twins(x).pow(2).sum().backward()
+    for mine, ref in zip(model.parameters(), twins.parameters()):
+        torch.testing.assert_close(mine.grad, ref.grad)
+
+
 # 11. torch.func transforms and forward-mode AD ------------------------------------------------
 
 
