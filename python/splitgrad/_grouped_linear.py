@@ -75,6 +75,8 @@ class GroupedLinear(_DeferredWgradModule):
     deferred item (all experts), run by one ``backward_dw()``.
     """
 
+    _jit_traceable = False  # see _DeferredWgradModule
+
     def __init__(
         self,
         num_gemms: int,
@@ -226,6 +228,10 @@ class GroupedLinear(_DeferredWgradModule):
 
     def _grouped(self, inp, splits, weights, biases) -> torch.Tensor:
         path = self._linear_path(inp)
+        if path == "trace":
+            raise TypeError(f"splitgrad layer '{self.name}' cannot be recorded by torch.jit.trace (its op takes "
+                            "lists of optional tensors, which the tracer does not record); use torch.export or "
+                            "torch.compile")
         if path == "functional":
             return self._functional(inp, splits, weights, biases)
         fused = self.fuse_wgrad_accumulation
@@ -234,7 +240,7 @@ class GroupedLinear(_DeferredWgradModule):
                 return _grouped_outside_graph(self, inp, splits, weights, biases)
             if fused and path != "export":  # checked here; the backward reads them (see _apply_linear)
                 self._check_main_grads(weights, biases)
-            if path in ("export", "trace"):
+            if path == "export":
                 # A graph meant to outlive this process records a regular, unfused call (layer 0).
                 return _grouped_linear_op(inp, splits, weights, biases, [], [], 0, False)
             return _grouped_linear_op(inp, splits, weights, biases, [], [], self._layer_id,

@@ -275,12 +275,17 @@ class _DeferredWgradModule(nn.Module):
     def _default_name(self, layer_id) -> str:
         raise NotImplementedError
 
+    # Whether torch.jit.trace can record this module's op (the grouped op's optional-tensor lists
+    # are an argument type the tracer does not record).
+    _jit_traceable = True
+
     def __prepare_scriptable__(self):
         # torch.jit.script calls this on every submodule before compiling it.
+        recorders = "torch.export / torch.jit.trace" if self._jit_traceable else "torch.export"
         raise TypeError(
             f"splitgrad layer '{self.name}' cannot be compiled by torch.jit.script (TorchScript is "
-            "deprecated and cannot express its deferred-wgrad state); use torch.compile, or "
-            "torch.export / torch.jit.trace, which record it as a regular layer"
+            f"deprecated and cannot express its deferred-wgrad state); use torch.compile, or "
+            f"{recorders}, which record it as a regular layer"
         )
 
     @property

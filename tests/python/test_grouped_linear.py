@@ -907,6 +907,20 @@ def test_compiled_autograd_matches_per_expert_autograd(delay, fused, how):
         _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.(trace|script)` is deprecated:DeprecationWarning")
+def test_jit_trace_and_script_are_refused_clearly():
+    """The tracer cannot record the grouped op (lists of optional tensors): a clear refusal naming
+    the layer, and jit.script's refusal recommends only what works."""
+    layer = _layer(n=3, name="experts")
+    x, _ = _data([2, 0, 3])
+    with pytest.raises(TypeError, match=r"'experts' cannot be recorded by torch.jit.trace .* use torch.export"):
+        torch.jit.trace(lambda x: layer(x, [2, 0, 3]), (x,))
+    with pytest.raises(TypeError, match=r"'experts' cannot be compiled by torch.jit.script .*torch.compile, or "
+                                        r"torch.export, which"):
+        torch.jit.script(layer)
+    assert splitgrad.pending_wgrads() == 0
+
+
 def test_export_with_a_dynamic_token_dimension():
     layer = _layer(n=3)
     tokens = torch.export.Dim("tokens", min=2, max=1024)
