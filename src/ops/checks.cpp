@@ -83,8 +83,9 @@ void check_linear_args(Who who, const at::Tensor& input, const at::Tensor& weigh
               " (the weight's device), got ", input.device());
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), who(),
-                      ": expected a bias of shape [", weight.sym_size(0), "], got shape ",
-                      bias->sym_sizes());
+                      ": expected a bias of shape [", weight.sym_size(0),
+                      "] (the weight's out_features, weight of shape ", weight.sym_sizes(),
+                      "), got shape ", bias->sym_sizes());
     TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), who(),
                      ": expected a bias of dtype ", dtype_name(weight.scalar_type()),
                      " (the weight's dtype), got ", dtype_name(bias->scalar_type()));

@@ -305,6 +305,17 @@ def test_wrong_input_width(delay):
         layer(torch.tensor(1.0))
 
 
+def test_weight_replaced_by_one_of_another_shape_is_named():
+    """The bias no longer fits the weight: the message shows the weight's shape too, since the
+    weight is what changed."""
+    layer = splitgrad.Linear(D, 4, device="cpu", name="proj")
+    layer.weight = nn.Parameter(torch.randn(5, D))
+    with pytest.raises(splitgrad.ArgumentError, match=re.escape("'proj': expected a bias of shape [5] (the weight's "
+                                                                f"out_features, weight of shape [5, {D}]), got "
+                                                                "shape [4]")):
+        layer(torch.randn(3, D))
+
+
 @pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
 def test_wrong_input_dtype(delay):
     layer = splitgrad.Linear(D, 4, device="cpu", delay_wgrad_compute=delay, name="proj",
