@@ -123,7 +123,9 @@ class GroupedLinear(_DeferredWgradModule):
     @property
     def weights(self) -> list[nn.Parameter]:
         """weight0 … weight{n-1}, as the module holds them now (after any tying)."""
-        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        # getattr's default: a deleted parameter reads as None (an AttributeError raised in a property
+        # would be reported by nn.Module as the property itself missing)
+        weights = [getattr(self, f"weight{i}", None) for i in range(self.num_gemms)]
         for i, weight in enumerate(weights):
             if not isinstance(weight, torch.Tensor):
                 raise ArgumentError(f"splitgrad layer '{self.name}': expected weight{i} to be a tensor of shape "
@@ -134,7 +136,7 @@ class GroupedLinear(_DeferredWgradModule):
     def biases(self) -> list[nn.Parameter]:
         """bias0 … bias{n-1} as the module holds them now, or [] where none is set (bias=False, as
         nn.Linear's bias: biases assigned later are used). Every expert has a bias, or none has."""
-        biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        biases = [getattr(self, f"bias{i}", None) for i in range(self.num_gemms)]
         missing = [i for i, bias in enumerate(biases) if bias is None]
         if len(missing) == len(biases):
             return []
@@ -148,7 +150,7 @@ class GroupedLinear(_DeferredWgradModule):
     @property
     def use_bias(self) -> bool:
         """Whether the experts have biases now (te.GroupedLinear's attribute)."""
-        return any(getattr(self, f"bias{i}") is not None for i in range(self.num_gemms))
+        return any(getattr(self, f"bias{i}", None) is not None for i in range(self.num_gemms))
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         """Each expert as nn.Linear (or ``init_method(weight_i)``, by default the one given at

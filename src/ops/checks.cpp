@@ -307,8 +307,10 @@ void check_weights_alike(Who who, at::TensorList weights) {
                    ": expected a floating-point weight0, got ", dtype_name(first.scalar_type()));
   for (size_t i = 1; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    TORCH_CHECK_VALUE(w.defined() && w.sizes() == first.sizes(), who(), ": expected weight", i,
-                      " of shape ", first.sizes(), " (weight0's), got ",
+    // Neutral wording: either of the two may be the one that changed.
+    TORCH_CHECK_VALUE(w.defined() && w.sizes() == first.sizes(), who(),
+                      ": expected every weight of one shape, got weight0 of shape ", first.sizes(),
+                      " and weight", i, " of ",
                       w.defined() ? c10::str("shape ", w.sizes()) : "an undefined tensor");
     TORCH_CHECK_TYPE(w.scalar_type() == first.scalar_type(), who(), ": expected weight", i,
                      " of dtype ", dtype_name(first.scalar_type()), " (weight0's), got ",

@@ -10,6 +10,7 @@ tolerance (fp32) or against a float64 reference relative to PyTorch's own error 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -582,6 +583,31 @@ def test_bad_input():
     with pytest.raises(splitgrad.DTypeError, match=r"expected weight1 of dtype torch.float32 \(weight0's\)"):
         layer(torch.randn(3, IN), [3, 0, 0, 0, 0])
     assert splitgrad.pending_wgrads() == 0
+
+
+def test_weights_of_different_shapes_name_both():
+    """weight0 replaced by one of another shape: the message names both weights' shapes, not only
+    the one that differs from weight0."""
+    layer = _layer(n=3)
+    layer.weight0 = nn.Parameter(torch.randn(OUT + 1, IN))
+    with pytest.raises(splitgrad.ArgumentError, match=re.escape(f"expected every weight of one shape, got weight0 "
+                                                                f"of shape [{OUT + 1}, {IN}] and weight1 of shape "
+                                                                f"[{OUT}, {IN}]")):
+        layer(torch.randn(3, IN), [3, 0, 0])
+
+
+def test_a_deleted_expert_parameter_is_named():
+    """del on an expert's parameter: nn.Module would report an AttributeError raised inside a
+    property as the property missing ('no attribute use_bias'); the message names the parameter."""
+    layer = _layer(n=3)
+    del layer.bias0
+    assert "bias=True" in repr(layer)
+    with pytest.raises(splitgrad.ArgumentError, match="bias for every expert or for none, got bias0 = None"):
+        layer(torch.randn(3, IN), [3, 0, 0])
+    layer = _layer(n=3)
+    del layer.weight1
+    with pytest.raises(splitgrad.ArgumentError, match="expected weight1 to be a tensor"):
+        layer(torch.randn(3, IN), [3, 0, 0])
 
 
 def test_constructor_errors():

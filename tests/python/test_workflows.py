@@ -632,12 +632,17 @@ def test_compile_dynamic_traces_once_for_all_sizes():
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["regular", "delayed", "fused", "delayed-fused"])
 @pytest.mark.parametrize("how", ["config", "context"])
-def test_compiled_autograd_matches_nn_linear(delay, how):
+def test_compiled_autograd_matches_nn_linear(delay, fused, how):
     """Compiled autograd (dynamo's compiled_autograd flag with a compiled step, or the context
-    manager) traces the C++ backward; the gradients are nn.Linear's."""
-    model = nn.Sequential(layer(delay), nn.GELU(), layer(delay))
+    manager) runs the C++ backward; the gradients are nn.Linear's (in main_grad where fused)."""
+    model = nn.Sequential(layer(delay, fuse_wgrad_accumulation=fused), nn.GELU(),
+                          layer(delay, fuse_wgrad_accumulation=fused))
+    if fused:
+        for p in model.parameters():
+            p.main_grad = torch.zeros_like(p)
     twins = nn.Sequential(plain_twin(model[0]), nn.GELU(), plain_twin(model[2]))
     x = torch.randn(5, D)
     torch._dynamo.reset()
@@ -651,7 +656,7 @@ def test_compiled_autograd_matches_nn_linear(delay, how):
         splitgrad.backward_dw_all()
     twins(x).pow(2).sum().backward()
     for mine, ref in zip(model.parameters(), twins.parameters()):
-        torch.testing.assert_close(mine.grad, ref.grad)
+        torch.testing.assert_close(mine.main_grad if fused else mine.grad, ref.grad)
 
 
 # 11. torch.func transforms and forward-mode AD ------------------------------------------------
