@@ -180,6 +180,21 @@ def to_reference(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
     return reference
 
 
+def backward_under_compiled_autograd(how: str, backward: Callable[[], None]) -> None:
+    """Runs ``backward`` (a forward and its backward) under compiled autograd: ``how`` "config" as
+    torchtitan enables it (dynamo's compiled_autograd flag, the step compiled), "context" with the
+    context manager around an eager step."""
+    torch._dynamo.reset()
+    if how == "config":
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(backward, backend="aot_eager")()
+    elif how == "context":
+        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+            backward()
+    else:
+        raise ValueError(f"how: expected 'config' or 'context', got {how!r}")
+
+
 def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
     """Where a parameter's gradient lives: ``main_grad`` if the caller gave it one
     (fuse_wgrad_accumulation), else ``.grad``."""

@@ -20,7 +20,8 @@ from torch import nn
 from torch.library import opcheck
 
 import splitgrad
-from sg_helpers import DEVICES, NO_CUDA, assert_grads_match, named_gradients, run_schedule, to_reference
+from sg_helpers import (DEVICES, NO_CUDA, assert_grads_match, backward_under_compiled_autograd, named_gradients,
+                        run_schedule, to_reference)
 
 ops = torch.ops.splitgrad
 
@@ -915,13 +916,7 @@ def test_compiled_autograd_matches_per_expert_autograd(delay, fused, how):
             p.main_grad = torch.zeros(p.shape)
     reference = to_reference(layer)
     x, gy = _data([2, 0, 3])
-    torch._dynamo.reset()
-    if how == "config":
-        with torch._dynamo.config.patch(compiled_autograd=True):
-            torch.compile(lambda: layer(x, [2, 0, 3]).backward(gy), backend="aot_eager")()
-    else:
-        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
-            layer(x, [2, 0, 3]).backward(gy)
+    backward_under_compiled_autograd(how, lambda: layer(x, [2, 0, 3]).backward(gy))
     layer.backward_dw()
     reference(x, [2, 0, 3]).backward(gy)
     if fused:

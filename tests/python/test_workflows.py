@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 import splitgrad
-from sg_helpers import to_reference
+from sg_helpers import backward_under_compiled_autograd, to_reference
 
 D = 6
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -645,13 +645,7 @@ def test_compiled_autograd_matches_nn_linear(delay, fused, how):
             p.main_grad = torch.zeros_like(p)
     twins = nn.Sequential(plain_twin(model[0]), nn.GELU(), plain_twin(model[2]))
     x = torch.randn(5, D)
-    torch._dynamo.reset()
-    if how == "config":
-        with torch._dynamo.config.patch(compiled_autograd=True):
-            torch.compile(lambda: model(x).pow(2).sum().backward(), backend="aot_eager")()
-    else:
-        with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
-            model(x).pow(2).sum().backward()
+    backward_under_compiled_autograd(how, lambda: model(x).pow(2).sum().backward())
     if delay:
         splitgrad.backward_dw_all()
     twins(x).pow(2).sum().backward()
