@@ -51,12 +51,17 @@ bool grouped_kernels_take(std::initializer_list<std::reference_wrapper<const at:
   return true;
 }
 
+size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 // 8-byte host words (pointers, split values) as a device int64 tensor, written by a kernel that
 // takes them by value (cuda/group_tables.h): graph-capturable, and later host writes to the
-// words' source cannot reach the device copy.
-at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& like) {
-  at::Tensor table =
-      at::empty({static_cast<int64_t>(words.size())}, like.options().dtype(at::kLong));
+// words' source cannot reach the device copy. `extra_bytes` more follow the words, from a
+// 256-byte boundary, unwritten: a launch's workspace in the same allocation (host time).
+at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& like,
+                        size_t extra_bytes = 0) {
+  const size_t words_bytes = words.size() * sizeof(uint64_t);
+  const size_t bytes = extra_bytes > 0 ? aligned256(words_bytes) + extra_bytes : words_bytes;
+  at::Tensor table = at::empty({static_cast<int64_t>((bytes + 7) / 8)}, like.options().dtype(at::kLong));
   const cudaError_t status = cuda::write_table(words.data(), static_cast<int64_t>(words.size()),
                                                reinterpret_cast<uint64_t*>(table.data_ptr()),
                                                at::cuda::getCurrentCUDAStream());
@@ -88,17 +93,38 @@ at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::
   return splits;
 }
 
-// What a grouped launch reads per group, put on the device by one launch (host time: each table
-// of its own was an allocation and a launch): the splits as the kernels read them (host splits'
-// values first in the table, checked here; device splits as they are, see device_splits()), then
-// `pointers`.
+// `count` tensors of `sizes` over consecutive blocks of `buffer`'s storage (contiguous buffer),
+// the first at element `offset`: each group's fresh gradient. Tensors of their own, not autograd
+// views of `buffer`: unbind's view bookkeeping cost ~1 µs of host time per tensor, two per expert.
+std::vector<at::Tensor> blocks_of(const at::Tensor& buffer, int64_t offset, int64_t count,
+                                  at::IntArrayRef sizes) {
+  std::vector<at::Tensor> blocks;
+  blocks.reserve(count);
+  const int64_t numel = c10::multiply_integers(sizes);
+  for (int64_t g = 0; g < count; ++g) {
+    // As at::empty makes a tensor (its own version counter and autograd keys), on shared storage.
+    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
+                                                     buffer.key_set(), buffer.dtype());
+    impl->set_sizes_contiguous(sizes);
+    impl->set_storage_offset(buffer.storage_offset() + offset + g * numel);
+    blocks.emplace_back(std::move(impl));
+  }
+  return blocks;
+}
+
+// What a grouped launch reads per group, put on the device by one launch, and its workspace, in
+// one allocation (host time: each table of its own was an allocation and a launch): the splits
+// as the kernels read them (host splits' values first in the table, checked here; device splits
+// as they are, see device_splits()), then `pointers`, then `workspace_bytes` (256-byte aligned).
 struct GroupTable {
   at::Tensor splits;  ///< int64 on the device: the table's first entries, or the device tensor
   void** pointers = nullptr;  ///< the device copy of `pointers`
-  at::Tensor table;           ///< keeps the table alive
+  void* workspace = nullptr;  ///< `workspace_bytes` after the table, or nullptr for none
+  at::Tensor table;           ///< keeps the table and the workspace alive
 };
 GroupTable group_table(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of,
-                       const std::vector<const void*>& pointers, bool check_now = false) {
+                       const std::vector<const void*>& pointers, size_t workspace_bytes,
+                       bool check_now = false) {
   GroupTable out;
   std::vector<uint64_t> words;
   int64_t first_pointer = 0;
@@ -110,9 +136,12 @@ GroupTable group_table(detail::Who who, const at::Tensor& m_splits, const at::Te
     out.splits = device_splits(who, m_splits, rows_of, check_now);
   }
   for (const void* p : pointers) words.push_back(reinterpret_cast<uint64_t>(p));
-  out.table = device_table(words, rows_of);
-  if (!out.splits.defined()) out.splits = out.table.narrow(0, 0, first_pointer);
-  out.pointers = reinterpret_cast<void**>(out.table.data_ptr<int64_t>() + first_pointer);
+  out.table = device_table(words, rows_of, workspace_bytes);
+  // The host splits' entries without a narrow() through the dispatcher (host time).
+  if (!out.splits.defined()) out.splits = blocks_of(out.table, 0, 1, {first_pointer})[0];
+  auto* const base = static_cast<char*>(out.table.data_ptr());
+  out.pointers = reinterpret_cast<void**>(base) + first_pointer;
+  if (workspace_bytes > 0) out.workspace = base + aligned256(words.size() * sizeof(uint64_t));
   return out;
 }
 
@@ -134,25 +163,17 @@ int multiprocessors_of(const at::Tensor& like) {
   return at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
 }
 
-// run_grouped_gemm() in a workspace of its own.
-bool launch(detail::Who who, cuda::GroupedGemmArgs args, const at::Tensor& like) {
-  args.multiprocessors = multiprocessors_of(like);
-  const size_t bytes = cuda::grouped_gemm_workspace_bytes(args);
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
-  args.workspace = workspace.data_ptr();
-  return run_grouped_gemm(who, args);
-}
-
-cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, const at::Tensor& splits,
-                                   int64_t rows, int64_t in, int64_t out) {
+// A grouped product's arguments, less the table's pointers (splits, weights or targets) and the
+// workspace, which come with the group table.
+cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, int64_t groups, int64_t rows,
+                                   int64_t in, int64_t out, const at::Tensor& like) {
   cuda::GroupedGemmArgs args;
   args.product = product;
-  args.groups = splits.numel();
+  args.groups = groups;
   args.rows = rows;
   args.in_features = in;
   args.out_features = out;
-  args.splits = splits.data_ptr<int64_t>();
+  args.multiprocessors = multiprocessors_of(like);
   return args;
 }
 
@@ -165,25 +186,6 @@ std::vector<const void*> block_pointers(const at::Tensor& buffer, int64_t offset
   const auto* first = static_cast<const char*>(buffer.data_ptr()) + offset * buffer.element_size();
   for (int64_t g = 0; g < count; ++g) pointers.push_back(first + g * numel * buffer.element_size());
   return pointers;
-}
-
-// `count` tensors of `sizes` over consecutive blocks of `buffer`'s storage (contiguous buffer),
-// the first at element `offset`: each group's fresh gradient. Tensors of their own, not autograd
-// views of `buffer`: unbind's view bookkeeping cost ~1 µs of host time per tensor, two per expert.
-std::vector<at::Tensor> blocks_of(const at::Tensor& buffer, int64_t offset, int64_t count,
-                                  at::IntArrayRef sizes) {
-  std::vector<at::Tensor> blocks;
-  blocks.reserve(count);
-  const int64_t numel = c10::multiply_integers(sizes);
-  for (int64_t g = 0; g < count; ++g) {
-    // As at::empty makes a tensor (its own version counter and autograd keys), on shared storage.
-    auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(buffer.storage()),
-                                                     buffer.key_set(), buffer.dtype());
-    impl->set_sizes_contiguous(sizes);
-    impl->set_storage_offset(buffer.storage_offset() + offset + g * numel);
-    blocks.emplace_back(std::move(impl));
-  }
-  return blocks;
 }
 
 // The group of each row, [rows] int64, from device splits without reading them on the host.
@@ -278,10 +280,14 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     }
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
-    const GroupTable table =
-        group_table(who, m_splits, x, weight_pointers, /*check_now=*/!biases.empty());
+    auto args = grouped_args(cuda::GroupedProduct::fprop, m_splits.numel(), x.size(0), x.size(1),
+                             out, x);
+    const GroupTable table = group_table(who, m_splits, x, weight_pointers,
+                                         cuda::grouped_gemm_workspace_bytes(args),
+                                         /*check_now=*/!biases.empty());
     const at::Tensor& splits = table.splits;
-    auto args = grouped_args(cuda::GroupedProduct::fprop, splits, x.size(0), x.size(1), out);
+    args.splits = splits.data_ptr<int64_t>();
+    args.workspace = table.workspace;
     args.tokens = x.data_ptr();
     args.weights = table.pointers;
     args.out = y.data_ptr();
@@ -292,7 +298,7 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
       at::index_select_out(y, at::stack(biases), 0, group_of_rows(splits, y.size(0)));
       args.add_to_out = true;
     }
-    if (launch(who, args, x)) return shaped(y);
+    if (run_grouped_gemm(who, args)) return shaped(y);
   }
   const auto splits = host_splits(who, m_splits, x.size(0));
   if (!covers(input.scalar_type())) {
@@ -328,12 +334,16 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
     }
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
-    const GroupTable table = group_table(who, m_splits, dy, weight_pointers);
-    auto args = grouped_args(cuda::GroupedProduct::dgrad, table.splits, dy.size(0), in, dy.size(1));
+    auto args = grouped_args(cuda::GroupedProduct::dgrad, m_splits.numel(), dy.size(0), in,
+                             dy.size(1), dy);
+    const GroupTable table = group_table(who, m_splits, dy, weight_pointers,
+                                         cuda::grouped_gemm_workspace_bytes(args));
+    args.splits = table.splits.data_ptr<int64_t>();
+    args.workspace = table.workspace;
     args.tokens = dy.data_ptr();
     args.weights = table.pointers;
     args.out = dx.data_ptr();
-    if (launch(who, args, dy)) return shaped(dx);
+    if (run_grouped_gemm(who, args)) return shaped(dx);
   }
   const auto splits = host_splits(who, m_splits, dy.size(0));
   if (!covers(grad_output.scalar_type())) {
@@ -368,28 +378,25 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   for (const auto& round : weight_rounds)
     pointers.insert(pointers.end(), round.begin(), round.end());
   if (any_bias) pointers.insert(pointers.end(), bias_targets.begin(), bias_targets.end());
-  // Without a GEMM no argument kernel checks device splits: check them before the bias sums.
-  const GroupTable table =
-      group_table(who, m_splits, dy, pointers, /*check_now=*/weight_rounds.empty());
-
-  auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, table.splits, dy.size(0),
-                           x.size(1), dy.size(1));
+  auto args = grouped_args(cuda::GroupedProduct::wgrad_accumulate, groups, dy.size(0), x.size(1),
+                           dy.size(1), dy);
   args.tokens = dy.data_ptr();
   args.tokens_in = x.data_ptr();
   args.target_type = target_type;
-  args.multiprocessors = multiprocessors_of(dy);
-  // One workspace: the GEMM's (the same for every round), the row offsets, the bias kernel's.
-  const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  // One workspace, after the table: the GEMM's (the same for every round), the row offsets, the
+  // bias kernel's.
   const size_t gemm_bytes =
-      weight_rounds.empty() ? 0 : aligned(cuda::grouped_gemm_workspace_bytes(args));
-  const size_t offsets_bytes = aligned(static_cast<size_t>(groups + 1) * sizeof(int64_t));
+      weight_rounds.empty() ? 0 : aligned256(cuda::grouped_gemm_workspace_bytes(args));
+  const size_t offsets_bytes = aligned256(static_cast<size_t>(groups + 1) * sizeof(int64_t));
   const size_t bias_bytes = any_bias ? cuda::grouped_bias_grad_workspace_bytes(
                                            dy.size(0), dy.size(1), groups, args.multiprocessors)
                                      : 0;
-  const at::Tensor workspace =
-      at::empty({static_cast<int64_t>(gemm_bytes + offsets_bytes + bias_bytes)},
-                dy.options().dtype(at::kByte));
-  char* const base = static_cast<char*>(workspace.data_ptr());
+  // Without a GEMM no argument kernel checks device splits: check them before the bias sums.
+  const GroupTable table = group_table(who, m_splits, dy, pointers,
+                                       gemm_bytes + offsets_bytes + bias_bytes,
+                                       /*check_now=*/weight_rounds.empty());
+  args.splits = table.splits.data_ptr<int64_t>();
+  char* const base = static_cast<char*>(table.workspace);
   auto* const row_offsets = reinterpret_cast<int64_t*>(base + gemm_bytes);
   args.workspace = base;
   for (size_t r = 0; r < weight_rounds.size(); ++r) {

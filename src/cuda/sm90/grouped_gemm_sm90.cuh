@@ -190,9 +190,11 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
   }
 }
 
-// wgrad walks its output tiles along N (the input features) first: measured on the H200
-// (benchmarks/tune_grouped.py) from 0.5% slower (8 DeepSeek-V3 gate/up experts) to 4% faster
-// than along M on bench_grouped.py's shapes, 25% with a 2x1 cluster on Mixtral's two experts.
+// wgrad's output tiles (out x in) are walked so that the larger operand panel stays in L2 while
+// the smaller is read again: along N (the input features, x's) where out >= in, else along M.
+// Along N on every shape measured 0.5% slower (DeepSeek-V3 gate/up, 7168 -> 4096) to 25% faster
+// (Mixtral, 2x1 clusters) on the H200; where in > out, along M is 1.4-1.8% faster on an H100
+// (qwen3 2048 -> 1536 ping-pong, DeepSeek-V3 gate/up cooperative; benchmarks/tune_grouped.py).
 template <class K>
 typename K::Gemm::Arguments kernel_arguments(const GroupedGemmArgs& args, GroupArrays<K> arrays,
                                              float beta) {
@@ -207,7 +209,8 @@ typename K::Gemm::Arguments kernel_arguments(const GroupedGemmArgs& args, GroupA
   arguments.hw_info.sm_count = args.multiprocessors;
   using Raster = decltype(arguments.scheduler.raster_order);
   if (args.product == GroupedProduct::wgrad_accumulate) {
-    arguments.scheduler.raster_order = Raster::AlongN;
+    arguments.scheduler.raster_order =
+        args.out_features >= args.in_features ? Raster::AlongN : Raster::AlongM;
   }
 #ifdef SPLITGRAD_GROUPED_GEMM_TUNING
   // Tuning builds: the persistent scheduler's raster order (m|n) and swizzle (1, 2, 4, 8).
