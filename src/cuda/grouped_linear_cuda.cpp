@@ -61,7 +61,8 @@ at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& li
                         size_t extra_bytes = 0) {
   const size_t words_bytes = words.size() * sizeof(uint64_t);
   const size_t bytes = extra_bytes > 0 ? aligned256(words_bytes) + extra_bytes : words_bytes;
-  at::Tensor table = at::empty({static_cast<int64_t>((bytes + 7) / 8)}, like.options().dtype(at::kLong));
+  at::Tensor table =
+      at::empty({static_cast<int64_t>((bytes + 7) / 8)}, like.options().dtype(at::kLong));
   const cudaError_t status = cuda::write_table(words.data(), static_cast<int64_t>(words.size()),
                                                reinterpret_cast<uint64_t*>(table.data_ptr()),
                                                at::cuda::getCurrentCUDAStream());
@@ -94,8 +95,9 @@ at::Tensor device_splits(detail::Who who, const at::Tensor& m_splits, const at::
 }
 
 // `count` tensors of `sizes` over consecutive blocks of `buffer`'s storage (contiguous buffer),
-// the first at element `offset`: each group's fresh gradient. Tensors of their own, not autograd
-// views of `buffer`: unbind's view bookkeeping cost ~1 µs of host time per tensor, two per expert.
+// the first at element `offset` (each group's fresh gradient, the host splits of a group table).
+// Tensors of their own, not autograd views of `buffer`: unbind's view bookkeeping cost ~1 µs of
+// host time per tensor, two per expert.
 std::vector<at::Tensor> blocks_of(const at::Tensor& buffer, int64_t offset, int64_t count,
                                   at::IntArrayRef sizes) {
   std::vector<at::Tensor> blocks;
