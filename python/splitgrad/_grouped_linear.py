@@ -229,7 +229,7 @@ class GroupedLinear(_DeferredWgradModule):
         return out
 
     def _grouped(self, inp, splits, weights, biases) -> torch.Tensor:
-        path = self._linear_path(inp)
+        path = self._linear_path(inp, *weights, *biases)
         if path == "trace":
             raise TypeError(f"splitgrad layer '{self.name}' cannot be recorded by torch.jit.trace (its op takes "
                             "lists of optional tensors, which the tracer does not record); use torch.export or "

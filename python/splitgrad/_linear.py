@@ -80,8 +80,7 @@ def _exporting() -> bool:
 def _differentiated_functionally(*tensors: torch.Tensor | None) -> bool:
     """Whether a torch.func transform (grad, vjp, jacrev, jvp, vmap, ...) is running, or forward-mode
     AD carries a tangent on one of ``tensors``: PyTorch runs no C++ autograd Function there, and
-    the gradients are returned, not accumulated, so there is nothing to defer or fuse. Traceable by
-    """
+    the gradients are returned, not accumulated, so there is nothing to defer or fuse."""
     if torch.compiler.is_compiling():
         # Dynamo misreads the functorch interpreter stack outside transforms: compiled code takes
         # the op (README: torch.compile of a transform over a splitgrad layer is not supported).
@@ -352,13 +351,14 @@ class _DeferredWgradModule(nn.Module):
                 "deferred gradients), or build the layer with delay_wgrad_compute=False."
             )
 
-    def _linear_path(self, inp: torch.Tensor) -> str:
+    def _linear_path(self, inp: torch.Tensor, *used: torch.Tensor | None) -> str:
         """How this forward's linear maps run: "export" (torch.export), "functional" (torch.func
-        transforms, forward-mode AD with a tangent on ``inp`` or a parameter), "compile" (under
-        torch.compile), "trace" (jit.trace), "op"."""
+        transforms, forward-mode AD with a tangent on ``inp`` or on a weight or bias the maps use:
+        ``used``, as read for this forward, so a parametrized or substituted weight's tangent
+        counts), "compile" (under torch.compile), "trace" (jit.trace), "op"."""
         if _exporting():
             return "export"
-        if _differentiated_functionally(inp, *self._parameters.values()):
+        if _differentiated_functionally(inp, *used):
             return "functional"
         if torch.compiler.is_compiling():
             return "compile"
@@ -677,9 +677,10 @@ class Linear(_DeferredWgradModule):
         _refuse_fp8(self.name, fp8_output, fp8_grad)
         self._check_forward_args(inp, is_first_microbatch)
         # return_bias (te.Linear): the caller adds the bias, so autograd owns its gradient.
-        bias = None if self.return_bias else self.bias
+        weight, bias = self.weight, None if self.return_bias else self.bias
+        path = self._linear_path(inp, weight, bias)
         with _typed_errors():
-            out = self._apply_linear(self._linear_path(inp), inp, self.weight, bias)
+            out = self._apply_linear(path, inp, weight, bias)
         return (out, self.bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
