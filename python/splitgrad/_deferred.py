@@ -178,7 +178,8 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _install_guards() -> None:
-    """Make optimizer.step()/zero_grad() and Module.zero_grad() report pending deferred work."""
+    """Make optimizer.step()/zero_grad()/state_dict(), Module.zero_grad(), gradient clipping and
+    GradScaler.unscale_() report pending deferred work."""
 
     def step_pre_hook(optimizer, args, kwargs):
         check_no_pending(f"{type(optimizer).__name__}.step()", _optimizer_params(optimizer))
@@ -238,6 +239,28 @@ def _install_guards() -> None:
         setattr(torch.nn.utils, name, guarded_clip)
         if hasattr(torch.nn.utils.clip_grad, name):
             setattr(torch.nn.utils.clip_grad, name, guarded_clip)
+
+    # AMP's unscale_ (explicit before clipping, or inside GradScaler.step()) divides the gradients
+    # as they are: deferred parts landing afterwards would stay scaled, and step() would no longer
+    # find them pending.
+    scalers = [torch.amp.GradScaler]
+    try:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scalers.append(ShardedGradScaler)
+    except ImportError:  # a PyTorch built without torch.distributed
+        pass
+    for scaler in scalers:
+        unscale = scaler.__dict__.get("unscale_")
+        if unscale is None:
+            continue
+
+        @functools.wraps(unscale)
+        def guarded_unscale(self, optimizer, *args, _unscale=unscale, **kwargs):
+            if _C.pending_wgrads():
+                check_no_pending(f"{type(self).__name__}.unscale_()", _optimizer_params(optimizer))
+            return _unscale(self, optimizer, *args, **kwargs)
+
+        scaler.unscale_ = guarded_unscale
 
 
 _install_guards()
