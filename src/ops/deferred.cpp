@@ -2,6 +2,7 @@
 #include "splitgrad/deferred.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -909,6 +910,38 @@ std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed
 // Runs the items of `batch` in order. Items whose stashed tensors changed are dropped and
 // reported; then nothing runs and the others go back on the queue (kRequeue) or are dropped too
 // (kDropAll), so one call either runs everything or nothing.
+// Every .grad the item adds to takes an in-place add, as AccumulateGrad's would: checked before
+// anything of the item is written, so that one that cannot leaves all its gradients unwritten
+// (the grouped op adds to biases' .grads in place before the other experts' .grads are written).
+void check_grads_take_adds(const DeferredWgrad& item,
+                           const std::vector<detail::WgradSinks>& sinks) {
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    const detail::WgradSinks& sink = sinks[i];
+    const std::array<std::tuple<const at::Tensor*, const at::Tensor*, const char*>, 2> params{{
+        {&sink.weight, &sink.weight_main_grad, "weight"},
+        {&sink.bias, &sink.bias_main_grad, "bias"},
+    }};
+    for (const auto& [param, main_grad, what] : params) {
+      if (!param->defined() || main_grad->defined()) continue;
+      const at::Tensor grad = param->grad();
+      if (!grad.defined() || grad.layout() != at::kStrided) continue;  // sparse: made dense anew
+      const auto name = [&, what = what] {
+        return c10::str(detail::layer_label(item.layer, item.gemm),
+                        ": backward_dw() cannot add to the .grad of ", what,
+                        item.groups.empty() ? "" : std::to_string(i));
+      };
+      TORCH_CHECK(!grad.is_inference(), name(),
+                  ": it is an inference tensor (set under torch.inference_mode), which cannot be "
+                  "updated in place outside it. Nothing of this deferred item was written; it is "
+                  "dropped. Set a .grad made outside inference mode (p.grad = p.grad.clone())");
+      TORCH_CHECK(at::has_internal_overlap(grad) != at::MemOverlap::Yes, name(),
+                  ": elements of it share memory (an expanded tensor, strides ", grad.strides(),
+                  "), so it cannot be added to in place. Nothing of this deferred item was "
+                  "written; it is dropped. Set a .grad of its own (p.grad = p.grad.clone())");
+    }
+  }
+}
+
 void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   auto& in_flight = InFlight::instance();
   const bool drop_all = on_stale == OnStale::kDropAll && items.size() > 1;
@@ -995,6 +1028,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     const std::vector<bool> had_nan = check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
     std::string nan;
     try {
+      check_grads_take_adds(item, sinks);
       if (item.groups.empty()) {
         const detail::WgradSinks& single = sinks.front();
         if (single.weight.defined() || single.bias.defined()) {

@@ -256,6 +256,40 @@ def test_a_grad_that_cannot_be_added_to_leaves_the_other_experts_unwritten():
             assert p.grad is None, name
 
 
+def _unwritable_grad(param, how):
+    """A .grad an in-place add fails on: made under inference mode, or expanded (its elements
+    share memory)."""
+    if how == "inference":
+        with torch.inference_mode():
+            return torch.zeros_like(param)
+    return torch.zeros(param.shape[-1]).expand(param.shape) if param.dim() == 2 else \
+        torch.zeros(1).expand(param.shape)
+
+
+@pytest.mark.parametrize("how", ["inference", "expanded"])
+@pytest.mark.parametrize("bad", ["weight0", "bias1"])
+def test_an_unwritable_grad_among_kept_grads_writes_nothing(bad, how):
+    """Every expert holds a .grad (kept between micro-batches) and one cannot be added to in
+    place: backward_dw() raises naming the layer and that parameter, before anything is written
+    (the grouped op adds to biases' .grads in place: those adds come after the check too). The
+    item is dropped and reported for every expert; every .grad is as it was."""
+    layer = _layer(n=3, delay_wgrad_compute=True, name="experts")
+    params = dict(layer.named_parameters())
+    for name, p in params.items():
+        p.grad = _unwritable_grad(p, how) if name == bad else torch.randn_like(p)
+    before = {name: p.grad.clone() for name, p in params.items()}
+    splits = [2, 2, 2]
+    x, gy = _data(splits)
+    layer(x, splits).backward(gy)
+    match = "inference tensor" if how == "inference" else "share memory"
+    with pytest.raises(RuntimeError, match=rf"'experts'.*\.grad of {bad}: .*{match}"):
+        layer.backward_dw()
+    assert layer.pending_wgrads() == 0
+    for name, p in params.items():
+        assert splitgrad._C.dropped_wgrads_for(p) == 1, name
+        torch.testing.assert_close(p.grad, before[name], rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device):
     """A tensor set as the .grad of two experts' weights gets both values, each with add_ (not

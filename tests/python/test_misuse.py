@@ -133,7 +133,7 @@ def test_inplace_modified_grad_output():
 
 # ------------------------------------------------------------------------------------------------
 # optimizer.zero_grad() / optimizer.step() / Module.zero_grad() / state_dict() / gradient clipping
-# with work pending
+# / AMP's unscale_ with work pending
 # ------------------------------------------------------------------------------------------------
 
 ACTIONS = {
@@ -148,7 +148,17 @@ ACTIONS = {
                                                                            clip_value=1e9),
     "clip_grads_with_norm_": lambda model, opt: torch.nn.utils.clip_grads_with_norm_(
         list(model.parameters()), 1e9, torch.tensor(1.0)),
+    # AMP: unscaling partial gradients (a scale of 1, so an unscale changes no value); step()
+    # unscales first
+    "GradScaler.unscale_": lambda model, opt: _scaler().unscale_(opt),
+    "GradScaler.step": lambda model, opt: _scaler().step(opt),
 }
+
+
+def _scaler() -> torch.amp.GradScaler:
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(torch.ones(()))  # as after scaler.scale(loss)
+    return scaler
 
 
 def _pending_model():
@@ -219,6 +229,7 @@ def test_no_warning_without_pending_work_or_for_unrelated_params():
         other(torch.randn(2, D)).sum().backward()
         torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
         torch.nn.utils.clip_grad_value_(other.weight, 1.0)
+        _scaler().unscale_(opt)
         model[2].state_dict()  # the regular layer has nothing pending
         backward_dw_each(model)
         model.zero_grad()
@@ -415,6 +426,28 @@ def test_layer_deleted_between_forward_and_backward(kind):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
         if kind == "Linear-fused":
             assert p.grad is None, name
+
+
+@pytest.mark.parametrize("bad", ["weight", "bias"])
+def test_an_unwritable_grad_writes_nothing_of_the_item(bad):
+    """A kept .grad that cannot be added to in place (made under inference mode): backward_dw()
+    raises naming the layer and the parameter before writing anything (the weight's .grad was
+    written before the bias's in-place add failed); the item is dropped, both .grads as they were."""
+    layer = linear(True, name="blocks.0.fc")
+    for name, p in layer.named_parameters():
+        if name == bad:
+            with torch.inference_mode():
+                p.grad = torch.zeros_like(p)
+        else:
+            p.grad = torch.randn_like(p)
+    before = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer(torch.randn(3, D)).sum().backward()
+    with pytest.raises(RuntimeError, match=rf"'blocks\.0\.fc'.*\.grad of {bad}: it is an inference tensor"):
+        layer.backward_dw()
+    assert layer.pending_wgrads() == 0
+    for name, p in layer.named_parameters():
+        assert splitgrad._C.dropped_wgrads_for(p) == 1, name
+        torch.testing.assert_close(p.grad, before[name], rtol=0, atol=0, msg=name)
 
 
 def test_layer_deleted_with_work_queued_keeps_dropping_it():

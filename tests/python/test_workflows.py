@@ -688,6 +688,49 @@ def test_torch_func_transforms_match_nn_linear(delay, fused):
         assert not model.weight.main_grad.any() and not model.bias.main_grad.any()
 
 
+# A computed weight the layer reads (not a registered parameter of it): the module, that weight's
+# name, and the forward's arguments after the input.
+COMPUTED_WEIGHT = {
+    "Linear": (lambda **kw: splitgrad.Linear(D, D, **kw), "weight", ()),
+    "LayerNormLinear": (lambda **kw: splitgrad.LayerNormLinear(D, D, **kw), "weight", ()),
+    "LayerNormMLP": (lambda **kw: splitgrad.LayerNormMLP(D, 2 * D, **kw), "fc2_weight", ()),
+    "GroupedLinear": (lambda **kw: splitgrad.GroupedLinear(3, D, D, **kw), "weight1", ([2, 0, 3],)),
+}
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("kind", list(COMPUTED_WEIGHT))
+@pytest.mark.parametrize("how", ["parametrize", "attribute"])
+def test_forward_ad_with_a_tangent_on_a_computed_weight_only(kind, how, delay):
+    """Forward-mode AD whose only tangent is on a weight the layer computes (a parametrization's
+    original) or is given as a plain tensor: the layer's tangent is plain autograd's (the op's C++
+    autograd has no forward AD: the layer takes the ATen composite, as for a tangent on a
+    parameter), and nothing is queued."""
+    build, name, more_args = COMPUTED_WEIGHT[kind]
+    model = build(params_dtype=torch.float64, delay_wgrad_compute=delay)
+    reference = to_reference(model)
+    x = torch.randn(5, D, dtype=torch.float64)
+    tangent = torch.randn_like(getattr(model, name))
+    fwAD = torch.autograd.forward_ad
+    tangents = []
+    for module in (model, reference):
+        with fwAD.dual_level():
+            if how == "parametrize":
+                parametrize.register_parametrization(module, name, Double())
+                original = getattr(module.parametrizations, name).original
+                dual = {f"parametrizations.{name}.original": fwAD.make_dual(original.detach(), tangent)}
+                out = torch.func.functional_call(module, dual, (x, *more_args))
+            else:
+                value = getattr(module, name).detach()
+                delattr(module, name)
+                setattr(module, name, fwAD.make_dual(value, tangent))
+                out = module(x, *more_args)
+            tangents.append(fwAD.unpack_dual(out).tangent)
+    assert tangents[0] is not None
+    torch.testing.assert_close(tangents[0], tangents[1])
+    assert splitgrad.pending_wgrads() == 0
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_dual_level_without_tangents_changes_nothing(fused):
     # Forward-mode AD elsewhere in the step (a JVP regulariser): a layer whose tensors carry no
