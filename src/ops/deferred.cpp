@@ -907,41 +907,52 @@ std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed
       "gradient of the pass is half-written and the next backward_dw() runs the next pass.");
 }
 
-// Runs the items of `batch` in order. Items whose stashed tensors changed are dropped and
-// reported; then nothing runs and the others go back on the queue (kRequeue) or are dropped too
-// (kDropAll), so one call either runs everything or nothing.
-// Every .grad the item adds to takes an in-place add, as AccumulateGrad's would: checked before
-// anything of the item is written, so that one that cannot leaves all its gradients unwritten
-// (the grouped op adds to biases' .grads in place before the other experts' .grads are written).
-void check_grads_take_adds(const DeferredWgrad& item,
-                           const std::vector<detail::WgradSinks>& sinks) {
-  for (size_t i = 0; i < sinks.size(); ++i) {
-    const detail::WgradSinks& sink = sinks[i];
-    const std::array<std::tuple<const at::Tensor*, const at::Tensor*, const char*>, 2> params{{
-        {&sink.weight, &sink.weight_main_grad, "weight"},
-        {&sink.bias, &sink.bias_main_grad, "bias"},
-    }};
-    for (const auto& [param, main_grad, what] : params) {
-      if (!param->defined() || main_grad->defined()) continue;
-      const at::Tensor grad = param->grad();
-      if (!grad.defined() || grad.layout() != at::kStrided) continue;  // sparse: made dense anew
-      const auto name = [&, what = what] {
-        return c10::str(detail::layer_label(item.layer, item.gemm),
-                        ": backward_dw() cannot add to the .grad of ", what,
-                        item.groups.empty() ? "" : std::to_string(i));
-      };
-      TORCH_CHECK(!grad.is_inference(), name(),
-                  ": it is an inference tensor (set under torch.inference_mode), which cannot be "
-                  "updated in place outside it. Nothing of this deferred item was written; it is "
-                  "dropped. Set a .grad made outside inference mode (p.grad = p.grad.clone())");
-      TORCH_CHECK(at::has_internal_overlap(grad) != at::MemOverlap::Yes, name(),
-                  ": elements of it share memory (an expanded tensor, strides ", grad.strides(),
-                  "), so it cannot be added to in place. Nothing of this deferred item was "
-                  "written; it is dropped. Set a .grad of its own (p.grad = p.grad.clone())");
+// Why a .grad the item would add to cannot take an in-place add, as AccumulateGrad's would fail
+// on it (an inference tensor, an expanded one), or "" if none: checked with the stale stashes,
+// before any item of the call runs, so that such a .grad leaves the pass unwritten (the grouped
+// op adds to biases' .grads in place before other experts' .grads are written; a LayerNormMLP's
+// fc2 item runs before fc1's).
+std::string unwritable_grad_reason(const DeferredWgrad& item) {
+  std::optional<detail::ReferenceBatch> references;  // only where a parameter is referenced
+  std::string reason;
+  const auto check = [&](const core::WeakTensor& weak, const at::Tensor& main_grad,
+                         const char* what, const std::string& group) {
+    if (!reason.empty() || main_grad.defined()) return;  // a main_grad is written, not .grad
+    if (!references) references.emplace();
+    const at::Tensor param(weak.lock());
+    const at::Tensor grad = param.defined() ? param.grad() : at::Tensor();
+    if (!grad.defined() || grad.layout() != at::kStrided) return;  // sparse: made dense anew
+    std::string why;
+    if (grad.is_inference()) {
+      why = "it is an inference tensor (set under torch.inference_mode), which cannot be updated "
+            "in place outside it";
+    } else if (at::has_internal_overlap(grad) == at::MemOverlap::Yes) {
+      why = c10::str("elements of it share memory (an expanded tensor, strides ", grad.strides(),
+                     "), so it cannot be added to in place");
+    } else {
+      return;
     }
+    reason = c10::str(detail::layer_label(item.layer, item.gemm),
+                      ": backward_dw() cannot add to the .grad of ", what, group, ": ", why,
+                      ". That item was dropped and no gradient was written for it; the grad-ready "
+                      "hooks of its parameters do not fire for that backward pass. Set a .grad of "
+                      "its own, made outside inference mode (p.grad = p.grad.clone()).");
+  };
+  if (item.groups.empty()) {
+    check(item.weight, item.weight_main_grad, "weight", "");
+    check(item.bias, item.bias_main_grad, "bias", "");
   }
+  for (size_t i = 0; i < item.groups.size(); ++i) {
+    const core::GroupTargets& group = item.groups[i];
+    check(group.weight, group.weight_main_grad, "weight", std::to_string(i));
+    check(group.bias, group.bias_main_grad, "bias", std::to_string(i));
+  }
+  return reason;
 }
 
+// Runs the items of `batch` in order. Items whose stashed tensors changed, or with a .grad that
+// cannot be added to, are dropped and reported; then nothing runs and the others go back on the
+// queue (kRequeue) or are dropped too (kDropAll), so one call either runs everything or nothing.
 void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   auto& in_flight = InFlight::instance();
   const bool drop_all = on_stale == OnStale::kDropAll && items.size() > 1;
@@ -956,6 +967,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   runnable.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     std::string reason = stale_reason(items[i]);
+    if (reason.empty()) reason = unwritable_grad_reason(items[i]);
     if (reason.empty()) {
       runnable.push_back(std::move(items[i]));
       index.push_back(i);
@@ -1028,7 +1040,6 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     const std::vector<bool> had_nan = check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
     std::string nan;
     try {
-      check_grads_take_adds(item, sinks);
       if (item.groups.empty()) {
         const detail::WgradSinks& single = sinks.front();
         if (single.weight.defined() || single.bias.defined()) {
