@@ -124,11 +124,11 @@ class _NormedModule(_DeferredWgradModule):
         if gamma.dtype not in (torch.bfloat16, torch.float16):
             return self._normalize(inp, gamma + 1, beta)
         # TE adds the 1 to a 16-bit gamma in fp32 inside its kernel (1 + gamma rounded to 16 bits
-        # would lose gamma's low bits): the norm runs in fp32 and its output is rounded once.
+        # would lose gamma's low bits): the norm runs in fp32 and its output is rounded once. Under
+        # autocast too: CPU autocast does not run layer_norm in fp32, and its mixed-dtype kernel's
+        # gamma and beta gradients differ.
         gamma = gamma.float() + 1
         beta = beta.float() if beta is not None else None
-        if _autocast_enabled(inp.device.type):
-            return self._normalize(inp, gamma, beta)  # autocast casts the input as it casts the norm's
         return self._normalize(inp.float(), gamma, beta).to(inp.dtype)
 
     def _normalize(self, inp: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor | None) -> torch.Tensor:
