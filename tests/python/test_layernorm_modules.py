@@ -737,6 +737,54 @@ def test_torch_compile_matches_eager(delay):
         torch.testing.assert_close(got[name], want[name], rtol=1.3e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_torch_compile_fullgraph_of_a_16_bit_zero_centred_norm(kind):
+    """A regular module (neither delayed nor fused) compiles to one graph, 16-bit zero-centred
+    gamma included (its norm asked whether autocast was available, which Dynamo cannot trace:
+    fullgraph=True failed, a graph break without it; helper-44)."""
+    model = make(kind, zero_centered_gamma=True, params_dtype=torch.bfloat16)
+    randomize(model)
+    reference = to_reference(model)
+    x = torch.randn(3, H, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    loss_of(torch.compile(model, backend="aot_eager", fullgraph=True)(x)).backward()
+    loss_of(reference(x)).backward()
+    got, want = named_gradients(model), named_gradients(reference)
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("how", ["inference", "expanded"])
+@pytest.mark.parametrize("bad", ["fc1_weight", "fc1_bias", "fc2_weight"])
+def test_an_unwritable_grad_leaves_the_whole_pass_unwritten(bad, how):
+    """A LayerNormMLP's .grads are kept between micro-batches and one cannot take an in-place add:
+    backward_dw() raises naming the layer and its GEMM before any of the pass's items runs (fc2's
+    item ran first and wrote its gradients when fc1's .grad was the bad one; helper-44). Both
+    items are dropped and reported, every .grad as it was."""
+    model = make("mlp", delay_wgrad_compute=True, name="mlp")
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        p.grad = torch.randn_like(p)
+    grad = params[bad].grad
+    if how == "inference":
+        with torch.inference_mode():
+            params[bad].grad = torch.zeros_like(grad)
+    else:
+        params[bad].grad = torch.zeros(1).expand(grad.shape)  # one element for all
+    before = {name: p.grad.clone() for name, p in params.items()}
+    model(torch.randn(3, H)).sum().backward()
+    before.update({n: params[n].grad.clone() for n in ("layer_norm_weight", "layer_norm_bias")})  # immediate
+    gemm, what = bad.split("_")
+    match = "inference tensor" if how == "inference" else "share memory"
+    with pytest.raises(RuntimeError, match=rf"'mlp' \({gemm}\): .*\.grad of {what}: .*{match}.*all or none"):
+        model.backward_dw()
+    assert model.pending_wgrads() == 0
+    for name, p in params.items():
+        if not name.startswith("layer_norm"):
+            assert splitgrad._C.dropped_wgrads_for(p) == 1, name
+        torch.testing.assert_close(p.grad, before[name], rtol=0, atol=0, msg=name)
+
+
 def test_torch_func_grad_matches_and_queues_nothing():
     from torch.func import functional_call, grad
 
@@ -826,6 +874,29 @@ def test_autocast_matches_plain_pytorch(kind, normalization):
         out, ref_out = model(x), reference(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    loss_of(out).backward()
+    loss_of(ref_out).backward()
+    model.backward_dw()
+    assert_same(model, reference)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("params_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_autocast_with_16_bit_zero_centred_gamma_matches_plain_pytorch(kind, params_dtype, autocast_dtype):
+    """16-bit parameters with zero-centred gamma under CPU autocast: the norm runs in fp32 (1 + gamma
+    added in fp32, as TE's kernels add it) and its output is rounded once, as outside autocast; CPU
+    autocast does not run layer_norm in fp32, and its mixed-dtype kernel gave other gamma and beta
+    gradients (helper-44). Outputs and gradients bit for bit."""
+    model = make(kind, zero_centered_gamma=True, params_dtype=params_dtype, delay_wgrad_compute=True,
+                 return_layernorm_output=True)
+    randomize(model)
+    reference = to_reference(model)
+    x = torch.randn(16, H, dtype=params_dtype) * 3
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        out, ref_out = model(x), reference(x)
+    for got, want in zip(out, ref_out):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     loss_of(out).backward()
     loss_of(ref_out).backward()
     model.backward_dw()
