@@ -908,46 +908,59 @@ std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed
 }
 
 // Why a .grad the item would add to cannot take an in-place add, as AccumulateGrad's would fail
-// on it (an inference tensor, an expanded one), or "" if none: checked with the stale stashes,
-// before any item of the call runs, so that such a .grad leaves the pass unwritten (the grouped
-// op adds to biases' .grads in place before other experts' .grads are written; a LayerNormMLP's
-// fc2 item runs before fc1's).
-std::string unwritable_grad_reason(const DeferredWgrad& item) {
-  std::optional<detail::ReferenceBatch> references;  // only where a parameter is referenced
-  std::string reason;
-  const auto check = [&](const core::WeakTensor& weak, const at::Tensor& main_grad,
-                         const char* what, const std::string& group) {
-    if (!reason.empty() || main_grad.defined()) return;  // a main_grad is written, not .grad
-    if (!references) references.emplace();
-    const at::Tensor param(weak.lock());
-    const at::Tensor grad = param.defined() ? param.grad() : at::Tensor();
-    if (!grad.defined() || grad.layout() != at::kStrided) return;  // sparse: made dense anew
-    std::string why;
-    if (grad.is_inference()) {
-      why = "it is an inference tensor (set under torch.inference_mode), which cannot be updated "
-            "in place outside it";
-    } else if (at::has_internal_overlap(grad) == at::MemOverlap::Yes) {
-      why = c10::str("elements of it share memory (an expanded tensor, strides ", grad.strides(),
-                     "), so it cannot be added to in place");
-    } else {
-      return;
-    }
-    reason = c10::str(detail::layer_label(item.layer, item.gemm),
-                      ": backward_dw() cannot add to the .grad of ", what, group, ": ", why,
+// on it (an inference tensor, an expanded one), or "" if none; `sinks` are the item's parameters,
+// locked. Checked before the item writes anything: with the stale stashes, before any item runs,
+// where the call runs several (a LayerNormMLP's fc2 item runs before fc1's), else as the item
+// runs (its parameters are locked then anyway; the grouped op adds to biases' .grads in place
+// before other experts' .grads are written).
+std::string unwritable_grad_reason(const DeferredWgrad& item,
+                                   const std::vector<detail::WgradSinks>& sinks) {
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    const detail::WgradSinks& sink = sinks[i];
+    for (const bool is_weight : {true, false}) {
+      const at::Tensor& param = is_weight ? sink.weight : sink.bias;
+      const at::Tensor& main_grad = is_weight ? sink.weight_main_grad : sink.bias_main_grad;
+      if (!param.defined() || main_grad.defined()) continue;  // a main_grad is written, not .grad
+      const at::Tensor grad = param.grad();
+      if (!grad.defined() || grad.layout() != at::kStrided) continue;  // sparse: made dense anew
+      std::string why;
+      if (grad.is_inference()) {
+        why = "it is an inference tensor (set under torch.inference_mode), which cannot be "
+              "updated in place outside it";
+      } else if (at::has_internal_overlap(grad) == at::MemOverlap::Yes) {
+        why = c10::str("elements of it share memory (an expanded tensor, strides ", grad.strides(),
+                       "), so it cannot be added to in place");
+      } else {
+        continue;
+      }
+      return c10::str(detail::layer_label(item.layer, item.gemm),
+                      ": backward_dw() cannot add to the .grad of ", is_weight ? "weight" : "bias",
+                      item.groups.empty() ? "" : std::to_string(i), ": ", why,
                       ". That item was dropped and no gradient was written for it; the grad-ready "
                       "hooks of its parameters do not fire for that backward pass. Set a .grad of "
                       "its own, made outside inference mode (p.grad = p.grad.clone()).");
+    }
+  }
+  return "";
+}
+
+// The item's parameters, locked (undefined where freed), with their main_grads: one per group.
+std::vector<detail::WgradSinks> sinks_of(const DeferredWgrad& item) {
+  const auto sink = [](const core::WeakTensor& weak_weight, const core::WeakTensor& weak_bias,
+                       const at::Tensor& weight_main_grad, const at::Tensor& bias_main_grad) {
+    const at::Tensor weight(weak_weight.lock()), bias(weak_bias.lock());
+    return detail::WgradSinks{weight, bias, weight.defined() ? weight_main_grad : at::Tensor(),
+                              bias.defined() ? bias_main_grad : at::Tensor()};
   };
+  std::vector<detail::WgradSinks> sinks;
+  sinks.reserve(std::max<size_t>(item.groups.size(), 1));
   if (item.groups.empty()) {
-    check(item.weight, item.weight_main_grad, "weight", "");
-    check(item.bias, item.bias_main_grad, "bias", "");
+    sinks.push_back(sink(item.weight, item.bias, item.weight_main_grad, item.bias_main_grad));
   }
-  for (size_t i = 0; i < item.groups.size(); ++i) {
-    const core::GroupTargets& group = item.groups[i];
-    check(group.weight, group.weight_main_grad, "weight", std::to_string(i));
-    check(group.bias, group.bias_main_grad, "bias", std::to_string(i));
+  for (const auto& group : item.groups) {
+    sinks.push_back(sink(group.weight, group.bias, group.weight_main_grad, group.bias_main_grad));
   }
-  return reason;
+  return sinks;
 }
 
 // Runs the items of `batch` in order. Items whose stashed tensors changed, or with a .grad that
@@ -962,12 +975,17 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   }
   std::string error;
   size_t failed = 0;  // the first item whose check failed, where `error` is set
+  // Several items: every .grad they add to is checked before any runs (see unwritable_grad_reason).
+  const bool checks_grads_first = items.size() > 1;
   std::vector<DeferredWgrad> runnable;
   std::vector<size_t> index;  // runnable[i] is item index[i] of the batch
   runnable.reserve(items.size());
   for (size_t i = 0; i < items.size(); ++i) {
     std::string reason = stale_reason(items[i]);
-    if (reason.empty()) reason = unwritable_grad_reason(items[i]);
+    if (reason.empty() && checks_grads_first) {
+      const detail::ReferenceBatch references;
+      reason = unwritable_grad_reason(items[i], sinks_of(items[i]));
+    }
     if (reason.empty()) {
       runnable.push_back(std::move(items[i]));
       index.push_back(i);
@@ -1005,32 +1023,24 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   }
   for (size_t i = 0; i < runnable.size(); ++i) {
     DeferredWgrad& item = runnable[i];
-    // Parameters freed since the item was queued get nothing (their main_grad neither); the
-    // contribution is reported, not lost silently.
-    auto live_sinks = [&](const core::WeakTensor& weak_weight, const core::WeakTensor& weak_bias,
-                          const at::Tensor& weight_main_grad, const at::Tensor& bias_main_grad) {
-      const at::Tensor weight(weak_weight.lock()), bias(weak_bias.lock());
-      warn_if_freed(item, weak_weight, weight, "weight");
-      warn_if_freed(item, weak_bias, bias, "bias");
-      return detail::WgradSinks{weight, bias, weight.defined() ? weight_main_grad : at::Tensor(),
-                                bias.defined() ? bias_main_grad : at::Tensor()};
-    };
     // The item's parameters are referenced once, for the whole item, and those references (and
-    // the item's own) dropped together: each in a ReferenceBatch.
+    // the item's own) dropped together: each in a ReferenceBatch. Parameters freed since the item
+    // was queued get nothing (their main_grad neither); the contribution is reported, not lost
+    // silently.
     std::vector<at::Tensor> targets;
     std::vector<detail::WgradSinks> sinks;
     {
       const detail::ReferenceBatch references;
       targets = item.targets();
-      if (item.groups.empty()) {
-        sinks.push_back(
-            live_sinks(item.weight, item.bias, item.weight_main_grad, item.bias_main_grad));
-      } else {
-        sinks.reserve(item.groups.size());
-        for (const auto& group : item.groups) {
-          sinks.push_back(
-              live_sinks(group.weight, group.bias, group.weight_main_grad, group.bias_main_grad));
-        }
+      sinks = sinks_of(item);
+      const auto warn = [&](const core::WeakTensor& weight, const core::WeakTensor& bias,
+                            const detail::WgradSinks& sink) {
+        warn_if_freed(item, weight, sink.weight, "weight");
+        warn_if_freed(item, bias, sink.bias, "bias");
+      };
+      if (item.groups.empty()) warn(item.weight, item.bias, sinks.front());
+      for (size_t g = 0; g < item.groups.size(); ++g) {
+        warn(item.groups[g].weight, item.groups[g].bias, sinks[g]);
       }
     }
     // Anomaly detection: a nan this item brings into a gradient stops it before it lands (its
@@ -1040,6 +1050,10 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     const std::vector<bool> had_nan = check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
     std::string nan;
     try {
+      if (!checks_grads_first) {
+        const std::string unwritable = unwritable_grad_reason(item, sinks);
+        TORCH_CHECK(unwritable.empty(), unwritable);
+      }
       if (item.groups.empty()) {
         const detail::WgradSinks& single = sinks.front();
         if (single.weight.defined() || single.bias.defined()) {
