@@ -106,11 +106,10 @@ class _NormedModule(_DeferredWgradModule):
             if self.layer_norm_bias is not None:
                 self.layer_norm_bias.zero_()
 
-    def _norm_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The norm's gamma and beta (None under RMSNorm), as the norm reads them."""
-        return self.layer_norm_weight, self.layer_norm_bias
-
-    def _norm(self, inp: torch.Tensor, path: str, first_weight: torch.Tensor, gemm: str = "") -> torch.Tensor:
+    def _norm(self, inp: torch.Tensor, path: str, first_weight: torch.Tensor, gamma: torch.Tensor,
+              beta: torch.Tensor | None, gemm: str = "") -> torch.Tensor:
+        """The norm of ``inp`` by ``gamma`` and ``beta`` (layer_norm_weight and layer_norm_bias as
+        this forward read them; beta None under RMSNorm)."""
         if path not in ("compile", "export"):
             # The input's checks, naming this module and its first GEMM (that GEMM's own checks,
             # before the norm runs).
@@ -118,7 +117,6 @@ class _NormedModule(_DeferredWgradModule):
             with _typed_errors():
                 _C.check_gemm_args(self._layer_id, gemm, inp, first_weight, None, None, None, "weight", "bias",
                                    inp.dtype if cast else None)
-        gamma, beta = self._norm_params()
         if not self.zero_centered_gamma:
             return self._normalize(inp, gamma, beta)
         if gamma.dtype not in (torch.bfloat16, torch.float16):
@@ -216,9 +214,9 @@ class LayerNormLinear(_NormedModule):
         _refuse_fp8(self.name, fp8_output, fp8_grad)
         self._check_forward_args(inp, is_first_microbatch)
         # Each parameter read once per forward, as nn.Linear does (a parametrization runs once).
-        weight, bias = self.weight, self.bias
-        path = self._linear_path(inp, weight, bias, *self._norm_params())
-        ln_out = self._norm(inp, path, weight)
+        weight, bias, gamma, beta = self.weight, self.bias, self.layer_norm_weight, self.layer_norm_bias
+        path = self._linear_path(inp, weight, bias, gamma, beta)
+        ln_out = self._norm(inp, path, weight, gamma, beta)
         with _typed_errors():
             out = self._apply_linear(path, ln_out, weight, None if self.return_bias else bias)
         return _outputs(out, bias if self.return_bias else None, self.return_bias,
@@ -322,8 +320,9 @@ class LayerNormMLP(_NormedModule):
         # Each parameter read once per forward, as nn.Linear does (a parametrization runs once).
         fc1_weight, fc1_bias, fc2_weight, fc2_bias_param = (self.fc1_weight, self.fc1_bias, self.fc2_weight,
                                                             self.fc2_bias)
-        path = self._linear_path(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias_param, *self._norm_params())
-        ln_out = self._norm(inp, path, fc1_weight, "fc1")
+        gamma, beta = self.layer_norm_weight, self.layer_norm_bias
+        path = self._linear_path(inp, fc1_weight, fc1_bias, fc2_weight, fc2_bias_param, gamma, beta)
+        ln_out = self._norm(inp, path, fc1_weight, gamma, beta, "fc1")
         with _typed_errors():
             fc1_out = self._apply_linear(path, ln_out, fc1_weight, fc1_bias, ("fc1_weight", "fc1_bias"), gemm="fc1")
             fc2_bias = None if self.return_bias else fc2_bias_param

@@ -214,10 +214,13 @@ def _parametrized_calls(module: nn.Module, name: str, forward) -> int:
 @pytest.mark.parametrize("return_bias", [False, True])
 @pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
 @pytest.mark.parametrize("kind,name", [("linear", "weight"), ("linear", "bias"), ("mlp", "fc1_weight"),
-                                       ("mlp", "fc1_bias"), ("mlp", "fc2_weight"), ("mlp", "fc2_bias")])
+                                       ("mlp", "fc1_bias"), ("mlp", "fc2_weight"), ("mlp", "fc2_bias"),
+                                       ("linear", "layer_norm_weight"), ("linear", "layer_norm_bias"),
+                                       ("mlp", "layer_norm_weight")])
 def test_a_parametrized_parameter_is_evaluated_once_per_forward(kind, name, delay, return_bias):
     """As nn.Linear reads its weight once per forward (a parametrization's power iteration or
-    sampling runs once); the norm's input checks must not read the GEMM's weight a second time."""
+    sampling runs once); the norm's input checks must not read the GEMM's weight a second time,
+    nor the path's choice (forward-mode tangents) the norm's parameters."""
     x = torch.randn(3, H)
     expected = _parametrized_calls(nn.Linear(H, OUT), "weight", lambda m: m(x))
     assert expected == 1
