@@ -145,6 +145,15 @@ def _twin_parameter(param: torch.Tensor, dtype: torch.dtype | None) -> nn.Parame
     return twin
 
 
+def unwritable_grad(param: torch.Tensor, how: str) -> torch.Tensor:
+    """A .grad for ``param`` that an in-place add fails on: made under inference mode
+    (``how="inference"``), or expanded from one element (``"expanded"``: its elements share memory)."""
+    if how == "inference":
+        with torch.inference_mode():
+            return torch.zeros_like(param)
+    return torch.zeros(1).expand(param.shape)
+
+
 def to_reference(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """The same model in plain PyTorch autograd, optionally in another dtype (e.g. float64 as a
     high-precision reference). Tying is kept: a parameter shared by several modules is one

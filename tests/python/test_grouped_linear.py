@@ -21,7 +21,7 @@ from torch.library import opcheck
 
 import splitgrad
 from sg_helpers import (DEVICES, NO_CUDA, assert_grads_match, backward_under_compiled_autograd, named_gradients,
-                        run_schedule, to_reference)
+                        run_schedule, to_reference, unwritable_grad)
 
 ops = torch.ops.splitgrad
 
@@ -256,15 +256,6 @@ def test_a_grad_that_cannot_be_added_to_leaves_the_other_experts_unwritten():
             assert p.grad is None, name
 
 
-def _unwritable_grad(param, how):
-    """A .grad an in-place add fails on: made under inference mode, or expanded (its elements
-    share memory)."""
-    if how == "inference":
-        with torch.inference_mode():
-            return torch.zeros_like(param)
-    return torch.zeros(1).expand(param.shape)  # one element for all
-
-
 @pytest.mark.parametrize("how", ["inference", "expanded"])
 @pytest.mark.parametrize("bad", ["weight0", "bias1"])
 def test_an_unwritable_grad_among_kept_grads_writes_nothing(bad, how):
@@ -275,7 +266,7 @@ def test_an_unwritable_grad_among_kept_grads_writes_nothing(bad, how):
     layer = _layer(n=3, delay_wgrad_compute=True, name="experts")
     params = dict(layer.named_parameters())
     for name, p in params.items():
-        p.grad = _unwritable_grad(p, how) if name == bad else torch.randn_like(p)
+        p.grad = unwritable_grad(p, how) if name == bad else torch.randn_like(p)
     before = {name: p.grad.clone() for name, p in params.items()}
     splits = [2, 2, 2]
     x, gy = _data(splits)

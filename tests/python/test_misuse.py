@@ -10,7 +10,7 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import splitgrad
-from sg_helpers import assert_grads_match, backward_dw_each, make_data, to_reference
+from sg_helpers import assert_grads_match, backward_dw_each, make_data, to_reference, unwritable_grad
 
 D = 8
 
@@ -435,11 +435,7 @@ def test_an_unwritable_grad_writes_nothing_of_the_item(bad):
     written before the bias's in-place add failed); the item is dropped, both .grads as they were."""
     layer = linear(True, name="blocks.0.fc")
     for name, p in layer.named_parameters():
-        if name == bad:
-            with torch.inference_mode():
-                p.grad = torch.zeros_like(p)
-        else:
-            p.grad = torch.randn_like(p)
+        p.grad = unwritable_grad(p, "inference") if name == bad else torch.randn_like(p)
     before = {name: p.grad.clone() for name, p in layer.named_parameters()}
     layer(torch.randn(3, D)).sum().backward()
     with pytest.raises(RuntimeError, match=rf"'blocks\.0\.fc'.*\.grad of {bad}: it is an inference tensor"):
