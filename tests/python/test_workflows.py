@@ -707,7 +707,7 @@ def test_forward_ad_with_a_tangent_on_a_computed_weight_only(kind, how, delay):
     autograd has no forward AD: the layer takes the ATen composite, as for a tangent on a
     parameter), and nothing is queued."""
     build, name, more_args = COMPUTED_WEIGHT[kind]
-    model = build(params_dtype=torch.float64, delay_wgrad_compute=delay)
+    model = build(params_dtype=torch.float64, device="cpu", delay_wgrad_compute=delay)
     reference = to_reference(model)
     x = torch.randn(5, D, dtype=torch.float64)
     tangent = torch.randn_like(getattr(model, name))
