@@ -24,7 +24,10 @@ splits used are printed. The contenders:
 - **host time**: one ``backward_dw()`` of a 32-expert splitgrad.GroupedLinear (tiny shapes; splits
   as a list and as a tensor on the device) against one splitgrad.Linear's, CPU µs per call
   (time.perf_counter around the call, after warmup; the cases interleaved), with the gradients
-  going to fp32 main_grads, to a fresh .grad and to an existing one. On the CPU (``--device cpu``:
+  going to fp32 main_grads, to a fresh .grad and to an existing one. On a GPU each case is timed
+  two ways: right after a synchronisation (the call meets an idle GPU), and right after its
+  backward's launches, as a training step calls it (the GPU drained once a round, untimed, so
+  the launch queue never fills). On the CPU (``--device cpu``:
   8 -> 8 features, 32 tokens, one thread) the GEMMs run on the host too: the wgrad op is also
   timed alone, and "backward_dw() - op" is the bookkeeping (store, ledger, gradient targets).
   Target: <= 2x.
@@ -294,11 +297,13 @@ def bench_bias(shape: Shape, d: Data, device, args, skipped) -> dict:
     return {"ms": timed(fns, device, args.min_ms), "max_rel_err": errors}
 
 
-def host_seconds_of_backward_dw(layer, make_pass: Callable[[], None], device) -> float:
+def host_seconds_of_backward_dw(layer, make_pass: Callable[[], None], device, drained: bool = True) -> float:
     """Host seconds of one layer.backward_dw(), after an untimed forward and backward that queue its
-    work (and, on a GPU, a synchronisation, so no earlier work is waited for)."""
+    work. ``drained``: on a GPU, a synchronisation between them, so the call meets an idle GPU and
+    waits for no earlier work; else the call follows the backward's launches as in training (the
+    caller drains the GPU now and then, untimed, so a full launch queue never makes it wait)."""
     make_pass()
-    if device.type == "cuda":
+    if drained and device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     layer.backward_dw()
@@ -373,11 +378,16 @@ def bench_host(device, dtype, args) -> dict:
                  for name, case in host_passes(device, dtype, target, features, tokens, splits).items()}
         ops_alone = host_ops_alone(device, dtype, features, tokens, splits)
         samples: dict = {key: [] for key in [*cases, *ops_alone]}
+        in_flight: dict = {key: [] for key in cases}
         for i in range(args.host_warmup + args.host_reps):
             for key, (layer, make_pass) in cases.items():
-                seconds = host_seconds_of_backward_dw(layer, make_pass, device)
+                seconds = host_seconds_of_backward_dw(layer, make_pass, device, drained=True)
+                seconds_in_flight = host_seconds_of_backward_dw(layer, make_pass, device, drained=False)
                 if i >= args.host_warmup:
                     samples[key].append(seconds)
+                    in_flight[key].append(seconds_in_flight)
+            if device.type == "cuda":
+                torch.cuda.synchronize()  # untimed: the in-flight calls' queue drained once a round
             for name, op in ops_alone.items():
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -393,12 +403,13 @@ def bench_host(device, dtype, args) -> dict:
     if splitgrad.pending_wgrads():
         raise RuntimeError(f"host time: deferred work left: {splitgrad.layers_with_pending_wgrads()}")
 
-    def per_target(stat):
-        return {target: {name: stat(samples[target, name]) * 1e6 for name in HOST_LAYERS} for target in HOST_TARGETS}
+    def per_target(stat, taken=samples):
+        return {target: {name: stat(taken[target, name]) * 1e6 for name in HOST_LAYERS} for target in HOST_TARGETS}
 
-    return {"experts": HOST_EXPERTS, "features": features, "tokens": tokens, "splits": splits,
+    return {"device": device.type, "experts": HOST_EXPERTS, "features": features, "tokens": tokens, "splits": splits,
             "reps": args.host_reps, "threads": used_threads, "dtype": str(dtype).removeprefix("torch."),
             "median_us": per_target(statistics.median), "mean_us": per_target(statistics.fmean),
+            "in_flight_median_us": per_target(statistics.median, in_flight),
             "op_alone_median_us": {name: statistics.median(samples[name]) * 1e6 for name in HOST_LAYERS}}
 
 
@@ -503,21 +514,30 @@ def bias_table(report: Report, results: list[dict]) -> None:
 
 
 def host_table(report: Report, host: dict) -> None:
+    def ratio_rows(median: dict) -> list[list[object]]:
+        return [[target, *(f"{median[target][name]:.1f}" for name in HOST_LAYERS),
+                 *(ratio(median[target][name], median[target]["Linear"], TARGET_HOST) for name in HOST_LAYERS[1:])]
+                for target in HOST_TARGETS]
+
     median = host["median_us"]
-    rows = [[target, *(f"{median[target][name]:.1f}" for name in HOST_LAYERS),
-             *(ratio(median[target][name], median[target]["Linear"], TARGET_HOST) for name in HOST_LAYERS[1:])]
-            for target in HOST_TARGETS]
+    rows = ratio_rows(median)
     op = host["op_alone_median_us"]
     rest = {name: median["main_grad"][name] - op[name] for name in HOST_LAYERS}
     # The op alone is called through torch.ops from Python, which costs a few µs more than the
     # bound backward_dw() call: the difference is the bookkeeping less that constant.
     rows += [["main_grad: the op alone", *(f"{op[name]:.1f}" for name in HOST_LAYERS), "", ""],
              ["main_grad: backward_dw() - op", *(f"{rest[name]:.1f}" for name in HOST_LAYERS), "", ""]]
+    columns = ["gradient target", "Linear", "grouped, list splits", "grouped, tensor splits", "list / Linear",
+               "tensor / Linear"]
+    layers = (f"GroupedLinear {host['experts']} experts, {host['features']} -> {host['features']}, "
+              f"{host['tokens']} tokens, {host['dtype']}; target <= {TARGET_HOST} x Linear's")
+    after_sync = ", each call after a synchronisation" if host["device"] == "cuda" else ""
     report.table(f"host time of one backward_dw(), µs per call (median of {host['reps']}, {host['threads']} "
-                 f"thread(s)); GroupedLinear {host['experts']} experts, {host['features']} -> {host['features']}, "
-                 f"{host['tokens']} tokens, {host['dtype']}; target <= {TARGET_HOST} x Linear's",
-                 ["gradient target", "Linear", "grouped, list splits", "grouped, tensor splits", "list / Linear",
-                  "tensor / Linear"], rows)
+                 f"thread(s)){after_sync}; {layers}", columns, rows)
+    if host["device"] == "cuda" and "in_flight_median_us" in host:
+        report.table(f"host time of one backward_dw(), µs per call (median of {host['reps']}), each call right "
+                     f"after its backward's launches, as in training (GPU drained once a round, untimed); {layers}",
+                     columns, ratio_rows(host["in_flight_median_us"]))
 
 
 def grouped_mm_note(device, dtype) -> str | None:

@@ -47,6 +47,8 @@ def test_tiny_cpu_run_times_every_contender_and_they_agree(tmp_path, capsys):
         assert set(per_layer) == {"Linear", "GroupedLinear, list splits", "GroupedLinear, tensor splits"}
         assert all(us > 0 for us in per_layer.values())
     assert set(host["op_alone_median_us"]) == set(host["median_us"]["main_grad"])
+    assert {t: set(v) for t, v in host["in_flight_median_us"].items()} == {t: set(v) for t, v in host["median_us"].items()}
+    assert all(us > 0 for per_layer in host["in_flight_median_us"].values() for us in per_layer.values())
     assert all(us > 0 for us in host["op_alone_median_us"].values())
     assert host["threads"] == 1 and (host["features"], host["tokens"]) == bench.HOST_SIZES["cpu"]
     printed = capsys.readouterr().out
