@@ -62,6 +62,11 @@ struct DeferredWgrad {
   /// The backward that queued it ran under anomaly detection with check_nan (autograd checks
   /// the gradients it computes for nan; backward_dw() checks this item's likewise).
   bool check_nan = false;
+  /// torch.autocast's state for the item's device when it was queued (the backward's): the item
+  /// runs under it, so its GEMM rounds as the backward's own would have, whatever autocast
+  /// region backward_dw() is called in.
+  bool autocast_enabled = false;
+  at::ScalarType autocast_dtype = at::ScalarType::BFloat16;
 
   /// A grouped application: rows [offset_i, offset_i + m_splits[i]) of input and grad_output
   /// belong to group i (offset_i: the sum of the splits before i), whose targets are groups[i];

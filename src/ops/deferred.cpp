@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/autocast_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
@@ -589,6 +590,10 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   }
   item.stream = current_stream_of(input);
   item.check_nan = anomaly_checks_nan();
+  if (const auto device = input.device().type(); at::autocast::is_autocast_available(device)) {
+    item.autocast_enabled = at::autocast::is_autocast_enabled(device);
+    item.autocast_dtype = at::autocast::get_autocast_dtype(device);
+  }
   ledger.expect_deferred(item.targets(), pass.id());
   WgradStore::instance().push(std::move(item));
 }
@@ -857,12 +862,45 @@ void keep_until_read(const DeferredWgrad& item) {
   }
 }
 
+// Autocast's state for an item's device set to what it was when the item was queued, for the
+// item's run (a W step overlapped with the next micro-batch's forward may run inside an autocast
+// region the backward was outside of, or the other way round), and restored after. The autocast
+// cache is off meanwhile: casts made for the item are not kept past it.
+class AutocastAsQueued {
+ public:
+  explicit AutocastAsQueued(const DeferredWgrad& item) : device_(item.input.device().type()) {
+    if (!at::autocast::is_autocast_available(device_)) return;
+    applies_ = true;
+    enabled_ = at::autocast::is_autocast_enabled(device_);
+    dtype_ = at::autocast::get_autocast_dtype(device_);
+    cache_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_enabled(device_, item.autocast_enabled);
+    at::autocast::set_autocast_dtype(device_, item.autocast_dtype);
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~AutocastAsQueued() {
+    if (!applies_) return;
+    at::autocast::set_autocast_enabled(device_, enabled_);
+    at::autocast::set_autocast_dtype(device_, dtype_);
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+  AutocastAsQueued(const AutocastAsQueued&) = delete;
+  AutocastAsQueued& operator=(const AutocastAsQueued&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  bool applies_ = false, enabled_ = false, cache_ = true;
+  at::ScalarType dtype_ = at::ScalarType::BFloat16;
+};
+
 // `target` (weak) named a parameter when the item was queued, and `locked` finds it freed.
+// `what` ("weight", "bias") and, in a grouped item, the group name it as the layer does ("weight1").
 void warn_if_freed(const DeferredWgrad& item, const core::WeakTensor& target,
-                   const at::Tensor& locked, const char* what) {
+                   const at::Tensor& locked, const char* what, std::optional<size_t> group) {
   if (locked.defined() || target._unsafe_get_target() == c10::UndefinedTensorImpl::singleton())
     return;
-  TORCH_WARN(detail::layer_label(item.layer), ": the ", what,
+  TORCH_WARN(detail::layer_label(item.layer, item.gemm), ": the ", what,
+             group.has_value() ? std::to_string(*group) : std::string(),
              " parameter its deferred weight gradient was for was freed before backward_dw() ran "
              "it; that contribution was dropped. Keep a parameter alive until the deferred work "
              "feeding it has run.");
@@ -1034,13 +1072,13 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
       targets = item.targets();
       sinks = sinks_of(item);
       const auto warn = [&](const core::WeakTensor& weight, const core::WeakTensor& bias,
-                            const detail::WgradSinks& sink) {
-        warn_if_freed(item, weight, sink.weight, "weight");
-        warn_if_freed(item, bias, sink.bias, "bias");
+                            const detail::WgradSinks& sink, std::optional<size_t> group) {
+        warn_if_freed(item, weight, sink.weight, "weight", group);
+        warn_if_freed(item, bias, sink.bias, "bias", group);
       };
-      if (item.groups.empty()) warn(item.weight, item.bias, sinks.front());
+      if (item.groups.empty()) warn(item.weight, item.bias, sinks.front(), std::nullopt);
       for (size_t g = 0; g < item.groups.size(); ++g) {
-        warn(item.groups[g].weight, item.groups[g].bias, sinks[g]);
+        warn(item.groups[g].weight, item.groups[g].bias, sinks[g], g);
       }
     }
     // Anomaly detection: a nan this item brings into a gradient stops it before it lands (its
@@ -1054,6 +1092,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
         const std::string unwritable = unwritable_grad_reason(item, sinks);
         TORCH_CHECK(unwritable.empty(), unwritable);
       }
+      const AutocastAsQueued autocast(item);
       if (item.groups.empty()) {
         const detail::WgradSinks& single = sinks.front();
         if (single.weight.defined() || single.bias.defined()) {

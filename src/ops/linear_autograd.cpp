@@ -65,6 +65,14 @@ std::string string_or_empty(const OptString& name) {
   return name.has_value() ? std::string(*name) : std::string();
 }
 
+// `grad` as the gradient of `value` reaching its next backward: in `value`'s dtype, as the autograd
+// engine casts a gradient passed between two nodes. Inside one node (the GEMM's dgrad, then its
+// input activation's backward) that cast is ours: a backward run under torch.autocast computes
+// the CPU dgrad in autocast's dtype.
+at::Tensor as_gradient_of(const at::Tensor& grad, const at::Tensor& value) {
+  return grad.scalar_type() == value.scalar_type() ? grad : grad.to(value.scalar_type());
+}
+
 // With an input activation, `input` is h and the GEMM's input a = act(h). The backward needs h
 // (for the activation's gradient) and a (for the wgrad); only h is saved, and a is recomputed where
 // a wgrad runs (in backward_dw() right before its GEMM, or in the backward). Saving a too would
@@ -147,7 +155,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
         }
         grads[0] = at::matmul(grad_output, dgrad_weight);
         if (!activation.empty()) {
-          grads[0] = aten_backend::activation_backward_differentiable(grads[0], input, activation);
+          grads[0] = aten_backend::activation_backward_differentiable(
+              as_gradient_of(grads[0], input), input, activation);
         }
       }
       if (weight_wanted) {
@@ -160,7 +169,9 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     }
     if (ctx->needs_input_grad(0)) {
       grads[0] = ops::linear_dgrad(grad_output, in_compute_dtype(weight, compute_dtype));
-      if (!activation.empty()) grads[0] = ops::activation_backward(grads[0], input, activation);
+      if (!activation.empty()) {
+        grads[0] = ops::activation_backward(as_gradient_of(grads[0], input), input, activation);
+      }
     }
     if (!weight_wanted && !bias_wanted) return grads;
 

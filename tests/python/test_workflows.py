@@ -2,9 +2,11 @@
 autograd.grad, frozen weights, double backward, torch.export, hooks and garbage collection, names.
 Each case runs the same computation with plain nn.Linear autograd and compares."""
 
+import contextlib
 import copy
 import gc
 import io
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,7 +20,7 @@ from torch import nn
 from torch.nn.utils import parametrize, prune
 
 import splitgrad
-from sg_helpers import backward_under_compiled_autograd, to_reference
+from sg_helpers import assert_grads_match, backward_under_compiled_autograd, to_reference
 
 D = 6
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -531,6 +533,28 @@ def test_work_for_a_freed_parameter_is_reported_and_taken_by_any_call():
         assert model[0].weight.grad is None
 
 
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "GroupedLinear"])
+def test_the_freed_parameter_warning_names_the_gemm_and_the_expert(kind):
+    # Parameters replaced with work pending (load_state_dict(assign=True)): each dropped
+    # contribution is reported with the parameter as the module names it, a LayerNormMLP's
+    # GEMM (fc1 / fc2) and a GroupedLinear's expert (weight0, bias1, ...).
+    build, _, more_args = COMPUTED_WEIGHT[kind]
+    model = build(device="cpu", delay_wgrad_compute=True, name="m")
+    model(torch.randn(5, D), *more_args).sum().backward()
+    model.load_state_dict({k: torch.zeros_like(v) for k, v in model.state_dict().items()}, assign=True)
+    gc.collect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.backward_dw()
+    named = sorted(re.search(r"'m'( \(fc\d\))?: the (\w+) parameter .* was freed", str(w.message)).group(1, 2)
+                   for w in caught)
+    want = ([(" (fc1)", "bias"), (" (fc1)", "weight"), (" (fc2)", "bias"), (" (fc2)", "weight")]
+            if kind == "LayerNormMLP" else sorted((None, f"{p}{i}") for p in ("weight", "bias") for i in range(3)))
+    assert named == want
+    assert splitgrad.pending_wgrads() == 0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_hook_handles_remove_and_copies_carry_no_hooks():
     model = layer(False)
     fired = []
@@ -729,6 +753,39 @@ def test_forward_ad_with_a_tangent_on_a_computed_weight_only(kind, how, delay):
     assert tangents[0] is not None
     torch.testing.assert_close(tangents[0], tangents[1])
     assert splitgrad.pending_wgrads() == 0
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+@pytest.mark.parametrize("around", ["backward_dw", "backward"])
+@pytest.mark.parametrize("kind", list(COMPUTED_WEIGHT))
+def test_autocast_around_the_backward_or_backward_dw_only(kind, around, delay, fused):
+    """torch.autocast around backward_dw() only (a W step overlapped with the next micro-batch's
+    forward), or around the backward only (which PyTorch does not recommend, but runs): every
+    gradient is plain autograd's bit for bit. The deferred GEMM runs under the autocast state of
+    the backward that queued it, not backward_dw()'s; a dgrad the backward computed in autocast's
+    dtype reaches the input activation's backward in the forward's dtype, as the engine casts a
+    gradient between two nodes."""
+    build, _, more_args = COMPUTED_WEIGHT[kind]
+    model = build(device="cpu", delay_wgrad_compute=delay, fuse_wgrad_accumulation=fused)
+    if fused:
+        for name, param in model.named_parameters():
+            if not name.startswith("layer_norm"):  # the norm's gradients go to .grad, as in TE
+                param.main_grad = torch.zeros_like(param)
+    reference = to_reference(model)
+    x = torch.randn(5, D)
+
+    def autocast_if(where):
+        return torch.autocast("cpu", dtype=torch.bfloat16) if around == where else contextlib.nullcontext()
+
+    for module in (model, reference):
+        out = module(x, *more_args)
+        with autocast_if("backward"):
+            out.pow(2).sum().backward()
+    with autocast_if("backward_dw"):
+        model.backward_dw()
+    assert splitgrad.pending_wgrads() == 0
+    assert_grads_match(model, reference, exact=True)
 
 
 @pytest.mark.parametrize("fused", [False, True])
