@@ -120,7 +120,15 @@ class _DeferredGroup:
                    and (p._unsharded_param.grad is not None or p.unsharded_accumulated_grad is not None)
                    for p in self.group.fsdp_params)
 
-    def _ready(self, _param: torch.Tensor) -> None:
+    def _ready(self, param: torch.Tensor) -> None:
+        # A pass's deferred contributions to `param` have all landed. Under a mixed-precision
+        # policy whose reduce dtype is wider (bf16 compute, fp32 reduction) they go into the
+        # accumulated gradient now, as FSDP's post-backward moves each pass's autograd gradient
+        # there: micro-batches add up in the reduce dtype, not in a bf16 .grad.
+        for fsdp_param in self.delayed:
+            if getattr(fsdp_param, "_unsharded_param", None) is param:
+                fsdp_param.accumulate_unsharded_grad_if_needed()
+                fsdp_param.to_accumulated_grad_if_needed()
         _launch_held()
 
     def complete(self) -> bool:
@@ -133,6 +141,13 @@ class _DeferredGroup:
         """Starts the held-back reduce-scatter of every unsharded gradient of the group."""
         self.deferred = False
         self.drops_seen = self._drops()
+        # FSDP reduce-scatters the group's gradients in one dtype: where some are accumulated
+        # already (in the reduce dtype), the others (this pass's .grads) join them there.
+        params = [p for p in self.group.fsdp_params if hasattr(p, "_unsharded_param")]
+        if any(p.unsharded_accumulated_grad is not None for p in params):
+            for fsdp_param in params:
+                fsdp_param.accumulate_unsharded_grad_if_needed()
+                fsdp_param.to_accumulated_grad_if_needed()
         previous = self.group._training_state
         try:
             self.original_post_backward()

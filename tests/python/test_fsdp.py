@@ -298,6 +298,41 @@ def case_mixed_precision(rank, world):
                                    msg=lambda m: f"{name} vs the fp32 reference: {m}")
 
 
+def case_mixed_precision_micro_batches(rank, world):
+    """bf16 mixed precision with gradient accumulation: two micro-batches, the first without
+    gradient sync, each W right after its B (F B W F B W) or both after the last B (F B F B W W).
+    A deferred gradient that lands after a no-sync backward is added to FSDP's fp32 accumulated
+    gradient, as that backward's autograd gradients are: the delayed model's sharded gradients
+    equal the regular model's under the same policy (no bf16 sum across micro-batches, no unit
+    reduce-scattering a mix of fp32 and bf16 gradients)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    data = rank_data(0, world, micro=2)
+    for order in ("FBW FBW", "FB FB WW"):
+        delayed, regular = LM(), LM(delay=False)
+        shard(delayed, mp_policy=policy)
+        shard(regular, mp_policy=policy)
+        for model in (delayed, regular):
+            for m, (ids, targets) in enumerate(data[rank]):
+                model.set_requires_gradient_sync(m == 1)
+                (lm_loss(model, ids, targets) / 2).backward()
+                if order == "FBW FBW":
+                    splitgrad.backward_dw_all()
+            splitgrad.backward_dw_all()
+            sgd.finish_fsdp_reductions()
+        for (name, p), (_, q) in zip(delayed.named_parameters(), regular.named_parameters()):
+            got, want = p.grad.full_tensor(), q.grad.full_tensor()
+            assert got.dtype == torch.float32, (order, name, got.dtype)
+            scale = want.abs().max().item()
+            # The embedding tied to the delayed head gets two contributions per pass: the regular
+            # model sums them in its bf16 .grad, the delayed one in fp32 (the head's arrives after
+            # the backward). Every other gradient is one bf16 value per pass, summed in fp32.
+            atol = 2 ** -7 * scale if name == "embed.weight" else 1e-6 * scale
+            torch.testing.assert_close(got, want, rtol=0, atol=atol,
+                                       msg=lambda m: f"{order}: {name} vs regular layers under the same policy: {m}")
+
+
 def case_torch_fully_shard_loses_deferred_grads(rank, world):
     """Why splitgrad's fully_shard exists: under torch's own, the deferred weight gradients land
     in the unsharded parameters after FSDP reduced, and the sharded gradients never get them."""
@@ -487,6 +522,7 @@ CASES = {
     "micro_batches": case_micro_batches,
     "rank_dependent_w_order": case_rank_dependent_w_order,
     "mixed_precision": case_mixed_precision,
+    "mixed_precision_micro_batches": case_mixed_precision_micro_batches,
     "regular_unit": case_regular_unit,
     "torch_fully_shard_loses_deferred_grads": case_torch_fully_shard_loses_deferred_grads,
     "dropped_item": case_dropped_item,
@@ -525,6 +561,10 @@ def test_gradient_accumulation_over_micro_batches_reduces_once(results):
 
 def test_bf16_mixed_precision_policy(results):
     check_case(results, "mixed_precision")
+
+
+def test_bf16_mixed_precision_with_gradient_accumulation(results):
+    check_case(results, "mixed_precision_micro_batches")
 
 
 def test_unit_without_delayed_layers_reduces_in_backward(results):
