@@ -43,6 +43,8 @@ from ._fsdp import finish_fsdp_reductions, fsdp_reduction_log, fully_shard
 __all__ = ["GradReducer", "fully_shard", "finish_fsdp_reductions", "fsdp_reduction_log"]
 
 _MODES = ("all_reduce", "reduce_scatter")
+# Every live GradReducer (a pipeline stage hands them the division of the gradients they reduce).
+_live_reducers: "weakref.WeakSet[GradReducer]" = weakref.WeakSet()
 
 
 def _call_if_alive(method: weakref.WeakMethod, *args):
@@ -105,6 +107,19 @@ class _Bucket:
     def padded_numel(self, world_size: int) -> int:
         """The buffer's length in reduce_scatter mode: numel rounded up to a multiple of world_size."""
         return -(-self.numel // world_size) * world_size
+
+
+def _divide_after_reduction(params, divisor: int) -> set[int]:
+    """A pipeline stage's ``scale_grads()``: the GradReducers with a step under way that reduce
+    some of ``params`` divide those parameters' reduced gradients by ``divisor`` in ``finish()``.
+    A division of the local gradients now would be undone by ``finish()``'s write-back of the
+    sums taken when the parameters became ready (or, for a bucket launched later on some rank,
+    mix divided and undivided gradients across the ranks). Returns the ids of those parameters:
+    the caller divides only the others."""
+    taken: set[int] = set()
+    for reducer in list(_live_reducers):
+        taken |= reducer._divide_after_reduction(params, divisor)
+    return taken
 
 
 class GradReducer:
@@ -237,6 +252,9 @@ class GradReducer:
         self._used_work = None
         self._active = False  # a step began since the last finish()
         self._unused: set[int] = set()  # ids of the parameters used on no rank in the last step
+        # id(param) -> what finish() divides its reduced gradient by (a pipeline stage's scale_grads)
+        self._divisors: dict[int, int] = {}
+        _live_reducers.add(self)
         # The hooks live on the parameters and the model: they hold the reducer weakly, so a reducer
         # dropped without remove() stops reducing (and is freed) instead of launching collectives
         # beside its successor's; its hooks are removed when it is collected.
@@ -304,10 +322,7 @@ class GradReducer:
             raise RuntimeError(
                 f"GradReducer.sharded_grad(): the bucket of '{self._names[id(param)]}' was not reduced "
                 "in the last step (call finish() after the step; was the parameter never ready?)")
-        if start == stop:
-            return bucket.shard[:0]
-        begin = offset + start - self.rank * bucket.shard.numel()
-        return bucket.shard[begin:begin + stop - start]
+        return self._sharded_slice(param)
 
     # -- the grad-ready hook --------------------------------------------------------------------
 
@@ -426,26 +441,59 @@ class GradReducer:
                     bucket.work.wait()
                     if any(id(p) in bad for p in bucket.params):
                         left.append(bucket)
+                        self._divide_local(bucket)
                         continue
                     if self.mode == "reduce_scatter":
                         if self.average and self.world_size > 1:
                             bucket.shard.div_(self.world_size)
                         bucket.reduced = True
+                        self._divide_local(bucket)
+                        for param in bucket.params:
+                            if id(param) in self._divisors and id(param) not in self._unused:
+                                self._sharded_slice(param).div_(self._divisors[id(param)])
                         continue
                     for param, offset in zip(bucket.params, bucket.offsets):
                         if id(param) in self._unused:
+                            self._divide_local(bucket, param)
                             continue  # used on no rank: its gradient stays as it is, as in DDP
                         reduced = bucket.buffer[offset:offset + param.numel()].view_as(param)
                         grad = _gradient_source(param)
                         if grad is None:  # unused on this rank only
-                            param.grad = reduced.clone()
+                            grad = param.grad = reduced.clone()
                         else:
                             grad.copy_(reduced)
+                        if id(param) in self._divisors:
+                            grad.div_(self._divisors[id(param)])
                 message = self._unreduced_message(left, used, owing, bad) if left else None
             finally:
                 self._reset()
             if message:
                 raise RuntimeError(message)
+
+    def _divide_after_reduction(self, params, divisor: int) -> set[int]:
+        """See the module's _divide_after_reduction(): the ids of ``params`` this reducer takes."""
+        with self._lock:
+            if not (self._sync and self._active):
+                return set()  # no step under way: the local gradients are the result
+            taken = {id(p) for p in params if id(p) in self._params}
+            for key in taken:
+                self._divisors[key] = self._divisors.get(key, 1) * divisor
+            return taken
+
+    def _divide_local(self, bucket: "_Bucket", only: torch.Tensor | None = None) -> None:
+        """A stage's division handed to finish(), applied to the local gradients of ``bucket``'s
+        parameters (or of ``only``) that no write-back replaces: reduce_scatter mode, parameters
+        used on no rank, buckets left unreduced."""
+        for param in bucket.params if only is None else [only]:
+            grad = _gradient_source(param)
+            if id(param) in self._divisors and grad is not None:
+                grad.div_(self._divisors[id(param)])
+
+    def _sharded_slice(self, param: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of ``param``'s reduced gradient in its bucket's shard (maybe empty)."""
+        bucket, offset, start, stop = self._slot(param)
+        begin = offset + start - self.rank * bucket.shard.numel()
+        return bucket.shard[begin:begin + stop - start]
 
     def _local_decision(self, keys: list) -> tuple[dict, set]:
         """Under CUDA-graph capture no host synchronisation is allowed, so the ranks' readiness cannot
@@ -487,6 +535,7 @@ class GradReducer:
         self._used_map = None
         self._used_work = None
         self._active = False
+        self._divisors.clear()
         for bucket in self._buckets:
             bucket.ready = 0
             bucket.work = None

@@ -36,6 +36,7 @@ from torch.distributed import pipelining as _pipelining
 from ._errors import PendingWgradError
 from ._grouped_linear import GroupedLinear
 from ._linear import _DeferredWgradModule
+from .distributed import _divide_after_reduction
 
 __all__ = ["PipelineStage", "TiedParameter", "StageTimeline", "Interval", "busy_time", "bubble_fraction",
            "stages_of_rank"]
@@ -246,9 +247,15 @@ class PipelineStage(_pipelining.PipelineStage):
                     f"them twice. Give each stage its own copy and tie the copies with "
                     "splitgrad.pipelining.TiedParameter, or build the schedule with scale_grads=False "
                     "and scale the loss instead.")
-        for param in params.values():
-            for grad in (param.grad, getattr(param, "main_grad", None)):
-                if grad is not None:
+        # A GradReducer with a step under way divides the gradients it reduces after reducing them
+        # (its finish() writes back the sums taken before this call); the others are divided here.
+        reduced = _divide_after_reduction(params.values(), grad_scale_factor)
+        for key, param in params.items():
+            main_grad = getattr(param, "main_grad", None)
+            # what a reducer reduces: main_grad where the parameter has one, else .grad
+            source = main_grad if main_grad is not None else param.grad
+            for grad in (param.grad, main_grad):
+                if grad is not None and not (key in reduced and grad is source):
                     grad.div_(grad_scale_factor)
 
     def clear_runtime_states(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import types
 
 import pytest
 import torch
@@ -572,6 +573,42 @@ def case_layernorm_modules(rank, world):
     dist.barrier()
 
 
+def case_grad_reducer_and_scale_grads(rank, world):
+    """Data parallelism around a pipeline stage: a GradReducer over the stage's parameters
+    (passes_per_step = the micro-batches) under a schedule that divides the gradients by the
+    micro-batches (scale_grads=True, torch's default). The stage hands that division to the
+    reducer, which applies it to the reduced sums in finish() (a division of the local gradients
+    would be undone by finish()'s write-back of the sums it took before): the gradients written
+    back (all_reduce) or sharded (reduce_scatter) are the ranks' average of plain autograd's."""
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank its own one-stage pipeline
+    ids, targets = step_data(rank)
+    reference = reference_model()
+    reference_step(reference, ids, targets)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)})
+    averaged = {n: types.SimpleNamespace(grad=sum(grads[n] for grads in everyone) / world) for n in everyone[0]}
+    for mode in ("all_reduce", "reduce_scatter"):
+        module = stage_module(build_pieces(splitgrad_linear), 0, 1)[0]
+        stage = splitgrad.pipelining.PipelineStage(module, 0, 1, "cpu", group=groups[rank])
+        reducer = splitgrad.distributed.GradReducer(module, mode=mode, passes_per_step=N_MICRO)
+        P.ScheduleInterleavedZeroBubble([stage], n_microbatches=N_MICRO, loss_fn=lm_loss).step(ids, target=targets)
+        reducer.finish()
+        embed, head = module.get_submodule("0").embed.weight, module.get_submodule(str(BLOCKS + 1)).out.weight
+        if mode == "all_reduce":
+            splitgrad.pipelining.TiedParameter([embed, head], ranks=[rank]).sync_grads()
+            assert_grads_equal_reference({0: module}, averaged, f"GradReducer ({mode}) around a stage")
+        else:
+            for name, param in module.named_parameters():
+                if param is embed or param is head:
+                    continue  # each tied copy's own share of the tied gradient: not in the reference
+                start, stop = reducer.shard_range(param)
+                torch.testing.assert_close(reducer.sharded_grad(param),
+                                           averaged[name].grad.flatten()[start:stop], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"GradReducer ({mode}) around a stage: {name}: {m}")
+        reducer.remove()
+    dist.barrier()
+
+
 CASES = {f"schedule[{name}]": functools.partial(run_schedule, name=name) for name in SCHEDULES}
 CASES["schedule[ZB1P-main_grad]"] = functools.partial(run_schedule, name="ZB1P", fused=True)
 CASES["schedule[ZBV-main_grad]"] = functools.partial(run_schedule, name="ZBV", fused=True)
@@ -580,6 +617,7 @@ CASES["second_stage"] = case_second_stage
 CASES["tied_parameter_checks"] = case_tied_parameter_checks
 CASES["grouped_experts"] = case_grouped_experts
 CASES["layernorm_modules"] = case_layernorm_modules
+CASES["grad_reducer_and_scale_grads"] = case_grad_reducer_and_scale_grads
 
 
 def _worker(rank, world, init_file, out_dir):
@@ -626,6 +664,10 @@ def test_second_stage_over_the_same_module(results):
 
 def test_tied_parameter_compares_copies_across_ranks(results):
     check_case(results, "tied_parameter_checks")
+
+
+def test_grad_reducer_around_a_stage_takes_the_schedules_scaling(results):
+    check_case(results, "grad_reducer_and_scale_grads")
 
 
 # ------------------------------------------------------------------------------------------------
