@@ -554,4 +554,5 @@ class GradReducer:
 
     def remove(self) -> None:
         """Unregister the grad-ready hooks (launched collectives are not waited for: call finish() first)."""
+        _live_reducers.discard(self)  # a pipeline stage's scaling no longer waits for its finish()
         _remove_handles(self._handles)
