@@ -159,3 +159,18 @@ def write_results(out_dir: str, name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+def cuda_kernels_of(fn: Callable[[], object]) -> list[tuple[str, float]]:
+    """(name, µs) of each CUDA kernel one call of ``fn`` launches, in launch order (torch.profiler,
+    after three warm calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [(e.name, e.device_time_total) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]

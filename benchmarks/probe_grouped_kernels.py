@@ -22,22 +22,10 @@ import argparse
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_grouped import SHAPES, Data, fprop_dgrad_contenders, imbalanced_splits  # noqa: E402
-from common import chosen_by_name  # noqa: E402
-
-
-def kernels_of(fn) -> list[tuple[str, float]]:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return [(e.name, e.device_time_total) for e in prof.events()
-            if e.device_type == torch.autograd.DeviceType.CUDA]
+from common import chosen_by_name, cuda_kernels_of  # noqa: E402
 
 
 def main() -> None:
@@ -65,7 +53,7 @@ def main() -> None:
                 torch.cuda.nvtx.range_pop()
                 continue
             try:
-                launched = kernels_of(fn)
+                launched = cuda_kernels_of(fn)
             except RuntimeError as error:
                 print(f"  {name}: failed: {str(error).splitlines()[0]}")
                 continue

@@ -6,24 +6,20 @@ long each takes against PyTorch's dy.sum(0).
 """
 
 import argparse
+import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import splitgrad  # noqa: F401
 
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from common import cuda_kernels_of  # noqa: E402
+
 
 def show(label, fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     print(f"{label}:")
-    for e in kernels:
-        print(f"    {e.device_time_total:9.1f} µs  {e.name[:110]}")
+    for name, time_us in cuda_kernels_of(fn):
+        print(f"    {time_us:9.1f} µs  {name[:110]}")
 
 
 def main():

@@ -60,6 +60,13 @@ _made = itertools.count()
 fsdp_reduction_log: list[tuple[str, str]] = []
 
 
+def _into_accumulated_grad(fsdp_param) -> None:
+    """The unsharded .grad into FSDP's accumulated gradient (reduce dtype), added to one there
+    already or becoming it; nothing without a mixed-precision reduce dtype."""
+    fsdp_param.accumulate_unsharded_grad_if_needed()
+    fsdp_param.to_accumulated_grad_if_needed()
+
+
 class _DeferredGroup:
     """The deferral state of one FSDP parameter group."""
 
@@ -127,8 +134,7 @@ class _DeferredGroup:
         # there: micro-batches add up in the reduce dtype, not in a bf16 .grad.
         for fsdp_param in self.delayed:
             if getattr(fsdp_param, "_unsharded_param", None) is param:
-                fsdp_param.accumulate_unsharded_grad_if_needed()
-                fsdp_param.to_accumulated_grad_if_needed()
+                _into_accumulated_grad(fsdp_param)
         _launch_held()
 
     def complete(self) -> bool:
@@ -146,8 +152,7 @@ class _DeferredGroup:
         params = [p for p in self.group.fsdp_params if hasattr(p, "_unsharded_param")]
         if any(p.unsharded_accumulated_grad is not None for p in params):
             for fsdp_param in params:
-                fsdp_param.accumulate_unsharded_grad_if_needed()
-                fsdp_param.to_accumulated_grad_if_needed()
+                _into_accumulated_grad(fsdp_param)
         previous = self.group._training_state
         try:
             self.original_post_backward()

@@ -492,6 +492,8 @@ class GradReducer:
     def _sharded_slice(self, param: torch.Tensor) -> torch.Tensor:
         """This rank's slice of ``param``'s reduced gradient in its bucket's shard (maybe empty)."""
         bucket, offset, start, stop = self._slot(param)
+        if start == stop:
+            return bucket.shard[:0]
         begin = offset + start - self.rank * bucket.shard.numel()
         return bucket.shard[begin:begin + stop - start]
 
