@@ -12,6 +12,37 @@
 
 namespace splitgrad::cuda {
 
+/// Host words a kernel takes by value and writes to `device` (`count` of them): 3584 bytes, with
+/// a launch's other parameters within the classic 4 KiB limit. write_table() launches one of its
+/// own per chunk; the grouped GEMMs' argument kernel takes one for the table its launch reads
+/// (GroupedGemmArgs::table), which saves a launch.
+struct TableChunk {
+  static constexpr int kWords = 448;
+  uint64_t words[kWords];
+  uint64_t* device;
+  int count;
+};
+
+/// The first min(count, kWords) of `words`, to go to `device`.
+inline TableChunk table_chunk(const uint64_t* words, int64_t count, uint64_t* device) {
+  TableChunk chunk;
+  chunk.device = device;
+  chunk.count = static_cast<int>(count < TableChunk::kWords ? count : TableChunk::kWords);
+  for (int i = 0; i < chunk.count; ++i) chunk.words[i] = words[i];
+  return chunk;
+}
+
+#ifdef __CUDACC__
+/// The block's threads write `chunk` to the device; what they wrote is visible to the whole block
+/// once it returns.
+__device__ inline void write_table_chunk(const TableChunk& chunk) {
+  for (int i = static_cast<int>(threadIdx.x); i < chunk.count; i += static_cast<int>(blockDim.x)) {
+    chunk.device[i] = chunk.words[i];
+  }
+  __syncthreads();
+}
+#endif
+
 /// device[i] = words[i] for i < count, on `stream` (count may be 0). Returns the launch's error.
 cudaError_t write_table(const uint64_t* words, int64_t count, uint64_t* device,
                         cudaStream_t stream);

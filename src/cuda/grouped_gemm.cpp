@@ -2,6 +2,8 @@
 // sm_90 target are at hand) and checks what the kernels need before launching.
 #include "cuda/grouped_gemm.h"
 
+#include "cuda/group_tables.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -128,15 +130,24 @@ cudaError_t grouped_gemm(const GroupedGemmArgs& args, cudaStream_t stream) {
       aligned16(args.tokens_in) && aligned16(args.out) &&
       reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0 && args.groups < (int64_t{1} << 31);
   if (!takes) return cudaErrorNotSupported;
+  GroupedGemmArgs launched = args;
+  if (args.table_word_count > TableChunk::kWords) {  // more than the argument kernel takes
+    if (const cudaError_t error =
+            write_table(args.table_words, args.table_word_count, args.table, stream);
+        error != cudaSuccess) {
+      return error;
+    }
+    launched.table_word_count = 0;
+  }
 #ifdef SPLITGRAD_GROUPED_GEMM_TUNING
   if (forced_variant_missing()) return cudaErrorInvalidConfiguration;
   // A forced variant that cannot run must not be timed as the fallback loop: an error instead.
   if (forced_variant(args) != nullptr) {
-    const cudaError_t status = kernel.run(args, stream);
+    const cudaError_t status = kernel.run(launched, stream);
     return status == cudaErrorNotSupported ? cudaErrorInvalidConfiguration : status;
   }
 #endif
-  return kernel.run(args, stream);
+  return kernel.run(launched, stream);
 #else
   (void)args;
   (void)stream;

@@ -53,6 +53,12 @@ struct GroupedGemmArgs {
   /// row there, and the rows at the end, for a grouped_bias_grad() of the same splits that follows
   /// on the stream (GroupedBiasGradArgs::row_offsets), which then skips computing them.
   int64_t* row_offsets = nullptr;
+  /// Optional: host words the argument kernel writes to the device array `table` before it reads
+  /// anything, so that `splits`, `weights` and `targets` may point into `table` (one launch fewer
+  /// than writing it first; taken by value, as write_table() does, see cuda/group_tables.h).
+  const uint64_t* table_words = nullptr;
+  int64_t table_word_count = 0;
+  uint64_t* table = nullptr;
   void* workspace = nullptr;  ///< grouped_gemm_workspace_bytes(*this) bytes, 256-byte aligned
   int multiprocessors = 1;    ///< SMs the persistent kernel may use
 };

@@ -53,21 +53,28 @@ bool grouped_kernels_take(std::initializer_list<std::reference_wrapper<const at:
 
 size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
-// 8-byte host words (pointers, split values) as a device int64 tensor, written by a kernel that
-// takes them by value (cuda/group_tables.h): graph-capturable, and later host writes to the
-// words' source cannot reach the device copy. `extra_bytes` more follow the words, from a
-// 256-byte boundary, unwritten: a launch's workspace in the same allocation (host time).
-at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& like,
-                        size_t extra_bytes = 0) {
-  const size_t words_bytes = words.size() * sizeof(uint64_t);
+// Room on the device for `words` 8-byte words, as an int64 tensor, and `extra_bytes` more after
+// them, from a 256-byte boundary: a launch's workspace in the same allocation (host time).
+at::Tensor table_space(size_t words, const at::Tensor& like, size_t extra_bytes = 0) {
+  const size_t words_bytes = words * sizeof(uint64_t);
   const size_t bytes = extra_bytes > 0 ? aligned256(words_bytes) + extra_bytes : words_bytes;
-  at::Tensor table =
-      at::empty({static_cast<int64_t>((bytes + 7) / 8)}, like.options().dtype(at::kLong));
+  return at::empty({static_cast<int64_t>((bytes + 7) / 8)}, like.options().dtype(at::kLong));
+}
+
+// Host words (pointers, split values) written to the start of `table` by a kernel that takes them
+// by value (cuda/group_tables.h): graph-capturable, and later host writes to the words' source
+// cannot reach the device copy.
+void write_words(const std::vector<uint64_t>& words, const at::Tensor& table) {
   const cudaError_t status = cuda::write_table(words.data(), static_cast<int64_t>(words.size()),
                                                reinterpret_cast<uint64_t*>(table.data_ptr()),
                                                at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status == cudaSuccess, "splitgrad grouped GEMM: writing a group table failed (",
               cudaGetErrorString(status), ")");
+}
+
+at::Tensor device_table(const std::vector<uint64_t>& words, const at::Tensor& like) {
+  at::Tensor table = table_space(words.size(), like);
+  write_words(words, table);
   return table;
 }
 
@@ -114,21 +121,33 @@ std::vector<at::Tensor> blocks_of(const at::Tensor& buffer, int64_t offset, int6
   return blocks;
 }
 
-// What a grouped launch reads per group, put on the device by one launch, and its workspace, in
-// one allocation (host time: each table of its own was an allocation and a launch): the splits
-// as the kernels read them (host splits' values first in the table, checked here; device splits
-// as they are, see device_splits()), then `pointers`, then `workspace_bytes` (256-byte aligned).
+// What a grouped launch reads per group and its workspace, in one allocation (host time: each
+// table of its own was an allocation and a launch): the splits as the kernels read them (host
+// splits' values first in the table, checked here; device splits as they are, see
+// device_splits()), then `pointers`, then `workspace_bytes` (256-byte aligned). The table is
+// written by the first grouped GEMM's argument kernel (written_by()), or at once (`write_now`)
+// for work that reads it before, or without, a grouped GEMM: one launch fewer.
 struct GroupTable {
   at::Tensor splits;  ///< int64 on the device: the table's first entries, or the device tensor
   void** pointers = nullptr;  ///< the device copy of `pointers`
   void* workspace = nullptr;  ///< `workspace_bytes` after the table, or nullptr for none
   at::Tensor table;           ///< keeps the table and the workspace alive
+  std::vector<uint64_t> words;  ///< the table's words, for the launch that writes them
+  bool written = false;
+
+  /// `args`'s launch writes the table first, unless an earlier launch has.
+  void written_by(cuda::GroupedGemmArgs& args) {
+    args.table_words = words.data();
+    args.table_word_count = written ? 0 : static_cast<int64_t>(words.size());
+    args.table = reinterpret_cast<uint64_t*>(table.data_ptr());
+    written = true;
+  }
 };
 GroupTable group_table(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of,
                        const std::vector<const void*>& pointers, size_t workspace_bytes,
-                       bool check_now = false) {
+                       bool check_now, bool write_now) {
   GroupTable out;
-  std::vector<uint64_t> words;
+  std::vector<uint64_t>& words = out.words;
   int64_t first_pointer = 0;
   if (m_splits.device().is_cpu()) {
     const std::vector<int64_t> sizes = detail::split_sizes(who, m_splits, rows_of.size(0));
@@ -138,7 +157,11 @@ GroupTable group_table(detail::Who who, const at::Tensor& m_splits, const at::Te
     out.splits = device_splits(who, m_splits, rows_of, check_now);
   }
   for (const void* p : pointers) words.push_back(reinterpret_cast<uint64_t>(p));
-  out.table = device_table(words, rows_of, workspace_bytes);
+  out.table = table_space(words.size(), rows_of, workspace_bytes);
+  if (write_now) {
+    write_words(words, out.table);
+    out.written = true;
+  }
   // The host splits' entries without a narrow() through the dispatcher (host time).
   if (!out.splits.defined()) out.splits = blocks_of(out.table, 0, 1, {first_pointer})[0];
   auto* const base = static_cast<char*>(out.table.data_ptr());
@@ -284,9 +307,11 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     auto args = grouped_args(cuda::GroupedProduct::fprop, m_splits.numel(), x.size(0), x.size(1),
                              out, x);
-    const GroupTable table = group_table(who, m_splits, x, weight_pointers,
-                                         cuda::grouped_gemm_workspace_bytes(args),
-                                         /*check_now=*/!biases.empty());
+    // With biases, the rows' biases are gathered (below) by the splits before the GEMM.
+    GroupTable table = group_table(who, m_splits, x, weight_pointers,
+                                   cuda::grouped_gemm_workspace_bytes(args),
+                                   /*check_now=*/!biases.empty(), /*write_now=*/!biases.empty());
+    table.written_by(args);
     const at::Tensor& splits = table.splits;
     args.splits = splits.data_ptr<int64_t>();
     args.workspace = table.workspace;
@@ -338,8 +363,10 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     auto args = grouped_args(cuda::GroupedProduct::dgrad, m_splits.numel(), dy.size(0), in,
                              dy.size(1), dy);
-    const GroupTable table = group_table(who, m_splits, dy, weight_pointers,
-                                         cuda::grouped_gemm_workspace_bytes(args));
+    GroupTable table = group_table(who, m_splits, dy, weight_pointers,
+                                   cuda::grouped_gemm_workspace_bytes(args),
+                                   /*check_now=*/false, /*write_now=*/false);
+    table.written_by(args);
     args.splits = table.splits.data_ptr<int64_t>();
     args.workspace = table.workspace;
     args.tokens = dy.data_ptr();
@@ -393,10 +420,11 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   const size_t bias_bytes = any_bias ? cuda::grouped_bias_grad_workspace_bytes(
                                            dy.size(0), dy.size(1), groups, args.multiprocessors)
                                      : 0;
-  // Without a GEMM no argument kernel checks device splits: check them before the bias sums.
-  const GroupTable table = group_table(who, m_splits, dy, pointers,
-                                       gemm_bytes + offsets_bytes + bias_bytes,
-                                       /*check_now=*/weight_rounds.empty());
+  // Without a GEMM no argument kernel checks device splits or writes the table: done first.
+  GroupTable table = group_table(who, m_splits, dy, pointers,
+                                 gemm_bytes + offsets_bytes + bias_bytes,
+                                 /*check_now=*/weight_rounds.empty(),
+                                 /*write_now=*/weight_rounds.empty());
   args.splits = table.splits.data_ptr<int64_t>();
   char* const base = static_cast<char*>(table.workspace);
   auto* const row_offsets = reinterpret_cast<int64_t*>(base + gemm_bytes);
@@ -404,6 +432,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
     args.targets = table.pointers + r * static_cast<size_t>(groups);
     args.row_offsets = r == 0 && any_bias ? row_offsets : nullptr;
+    table.written_by(args);
     if (!run_grouped_gemm(who, args)) {
       TORCH_CHECK(r == 0, who(), ": the grouped GEMM took the first targets but not the others");
       return false;

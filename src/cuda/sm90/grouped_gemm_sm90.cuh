@@ -21,6 +21,7 @@
 #include <cutlass/gemm/group_array_problem_shape.hpp>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 
+#include "cuda/group_tables.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/split_check.cuh"
 
@@ -142,11 +143,13 @@ struct GroupArrays {
   Problem* problems;
 };
 
-// One block; thread g fills group g. The splits are checked first (cuda/split_check.cuh), before
-// the GEMM reads a row.
+// One block; thread g fills group g. The table the arguments point into is written first, where
+// it comes with the launch, then the splits are checked (cuda/split_check.cuh), before the GEMM
+// reads a row.
 template <class K, GroupedProduct kProduct>
-__global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out) {
+__global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out, TableChunk table) {
   using ElementD = typename K::Gemm::ElementD;
+  write_table_chunk(table);
   if (threadIdx.x == 0) check_splits_or_stop(args.splits, args.groups, args.rows);
   __syncthreads();
   const auto* tokens = static_cast<const Bf16*>(args.tokens);
@@ -279,7 +282,8 @@ cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
       K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
   const WorkspaceLayout w = WorkspaceLayout::of<K>(args.groups, kernel_bytes);
   const GroupArrays<K> arrays = arrays_in<K>(args, w);
-  fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays);
+  const TableChunk table = table_chunk(args.table_words, args.table_word_count, args.table);
+  fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays, table);
   if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
   const auto arguments = kernel_arguments<K>(args, arrays, beta);
   if (K::Gemm::can_implement(arguments) != cutlass::Status::kSuccess) return cudaErrorNotSupported;
