@@ -19,23 +19,49 @@ GradLedger::ParamState& GradLedger::state_for(const at::Tensor& param) {
   TORCH_INTERNAL_ASSERT(param.defined(), "GradLedger: undefined parameter");
   Key key = param.unsafeGetTensorImpl();
   auto it = params_.find(key);
+  if (it != params_.end() && disarmed(it->second)) {
+    it->second.impl = weak_ref(param);  // empty: this tensor's, or fresh for a new one here
+    return it->second;
+  }
   if (it != params_.end() && it->second.impl.expired()) {
     params_.erase(it);  // a dead tensor's address was reused
     it = params_.end();
   }
   if (it == params_.end()) {
+    sweep_if_grown();
     it = params_.emplace(key, ParamState{WeakTensor(param.getIntrusivePtr()), {}, {}}).first;
   }
   return it->second;
 }
 
+bool GradLedger::disarmed(const ParamState& state) {
+  return state.impl._unsafe_get_target() == c10::UndefinedTensorImpl::singleton();
+}
+
+void GradLedger::sweep_if_grown() {
+  if (params_.size() < sweep_at_) return;
+  for (auto it = params_.begin(); it != params_.end();) {
+    const ParamState& state = it->second;
+    if (disarmed(state) || (state.impl.expired() && state.hooks.empty())) {
+      it = params_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  sweep_at_ = std::max<size_t>(64, 2 * params_.size());
+}
+
+GradLedger::PassIter GradLedger::find_pass(ParamState& state, PassId pass) {
+  return std::find_if(state.passes.begin(), state.passes.end(),
+                      [pass](const auto& entry) { return entry.first == pass; });
+}
+
 GradLedger::PassState& GradLedger::pass_state(const at::Tensor& param, PassId pass) {
   ParamState& state = state_for(param);
-  auto [it, inserted] = state.passes.try_emplace(pass);
-  if (inserted) {
-    open_passes_[pass].push_back(param.unsafeGetTensorImpl());
-  }
-  return it->second;
+  const auto found = find_pass(state, pass);
+  if (found != state.passes.end()) return found->second;
+  open_passes_[pass].push_back(param.unsafeGetTensorImpl());
+  return state.passes.emplace_back(pass, PassState{}).second;
 }
 
 uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
@@ -136,7 +162,7 @@ void GradLedger::landed_locked(const at::Tensor& param, PassId pass, std::vector
   auto it = params_.find(key);
   TORCH_INTERNAL_ASSERT(it != params_.end(),
                         "GradLedger: a deferred contribution landed that was never expected");
-  auto ps = it->second.passes.find(pass);
+  auto ps = find_pass(it->second, pass);
   TORCH_INTERNAL_ASSERT(ps != it->second.passes.end(),
                         "GradLedger: a deferred contribution landed that was never expected");
   TORCH_INTERNAL_ASSERT(ps->second.owed > 0,
@@ -156,7 +182,7 @@ void GradLedger::deferred_dropped(const std::vector<at::Tensor>& params, PassId 
     for (const auto& param : params) {
       auto it = params_.find(param.unsafeGetTensorImpl());
       if (it == params_.end()) continue;
-      auto ps = it->second.passes.find(pass);
+      auto ps = find_pass(it->second, pass);
       if (ps == it->second.passes.end()) continue;
       ps->second.owed = std::max<int64_t>(0, ps->second.owed - 1);
       ps->second.incomplete = true;
@@ -178,7 +204,7 @@ void GradLedger::autograd_pass_finished(PassId pass) {
     for (Key key : keys) {
       auto it = params_.find(key);
       if (it == params_.end()) continue;
-      auto ps = it->second.passes.find(pass);
+      auto ps = find_pass(it->second, pass);
       if (ps == it->second.passes.end()) continue;
       ps->second.autograd_done = true;
       settle(key, pass, firings);
@@ -190,7 +216,7 @@ void GradLedger::autograd_pass_finished(PassId pass) {
 void GradLedger::settle(Key key, PassId pass, std::vector<Firing>& out) {
   auto it = params_.find(key);
   if (it == params_.end()) return;
-  auto ps = it->second.passes.find(pass);
+  auto ps = find_pass(it->second, pass);
   if (ps == it->second.passes.end()) return;
   settle(it, ps, out);
 }
@@ -207,7 +233,13 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
     for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
     out.push_back(std::move(firing));
   }
-  if (state.passes.empty() && state.hooks.empty() && state.dropped == 0) params_.erase(it);
+  if (state.passes.empty() && state.dropped == 0 && state.hooks.empty()) {
+    if (state.impl.expired()) {
+      params_.erase(it);
+    } else {
+      state.impl.reset();  // disarmed
+    }
+  }
 }
 
 namespace {
@@ -251,6 +283,11 @@ int64_t GradLedger::dropped_for(const at::Tensor& param) const {
   auto it = params_.find(param.unsafeGetTensorImpl());
   if (it == params_.end() || it->second.impl.expired()) return 0;
   return it->second.dropped;
+}
+
+size_t GradLedger::tracked_params() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return params_.size();
 }
 
 void GradLedger::reset() {

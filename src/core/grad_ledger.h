@@ -79,6 +79,9 @@ class GradLedger {
   /// True if the ledger has seen `pass` but not yet its autograd_pass_finished().
   bool pass_open(PassId pass) const;
 
+  /// How many parameters the ledger holds state for, dead ones not swept yet included (tests).
+  size_t tracked_params() const;
+
   /// Forgets everything (tests only).
   void reset();
 
@@ -88,10 +91,17 @@ class GradLedger {
     bool autograd_done = false;
     bool incomplete = false;  // a contribution was dropped: do not fire for this pass
   };
+  // A parameter's state stays once it is empty (no pass, hook or drop: every step's passes settle
+  // and reopen it, and erasing and re-creating it was most of the ledger's host time), but without
+  // its weak reference ("disarmed"): torch.utils.swap_tensors (a module's .to() with swapping on)
+  // refuses tensors that have one, and an empty state is what a new tensor at the same address
+  // would start with. Its passes are few (one per backward pass not yet settled): a vector,
+  // searched linearly, whose storage outlives them.
+  using Passes = std::vector<std::pair<PassId, PassState>>;
   struct ParamState {
-    WeakTensor impl;  // the parameter itself is not kept alive by the ledger
+    WeakTensor impl;  // the parameter itself is not kept alive by the ledger; reset when disarmed
     std::vector<std::pair<uint64_t, GradReadyHook>> hooks;
-    std::unordered_map<PassId, PassState> passes;
+    Passes passes;
     int64_t dropped = 0;  // deferred contributions dropped, over the parameter's life
   };
   using Key = const c10::TensorImpl*;
@@ -105,7 +115,9 @@ class GradLedger {
   };
 
   using ParamIter = std::unordered_map<Key, ParamState>::iterator;
-  using PassIter = std::unordered_map<PassId, PassState>::iterator;
+  using PassIter = Passes::iterator;
+
+  static PassIter find_pass(ParamState& state, PassId pass);
 
   ParamState& state_for(const at::Tensor& param);               // requires mutex_
   PassState& pass_state(const at::Tensor& param, PassId pass);  // requires mutex_
@@ -114,10 +126,15 @@ class GradLedger {
   // Collects the hooks to fire for (param, pass) if it owes nothing; erases settled state.
   void settle(Key key, PassId pass, std::vector<Firing>& out);       // requires mutex_
   void settle(ParamIter it, PassIter ps, std::vector<Firing>& out);  // requires mutex_
+  static bool disarmed(const ParamState& state);
+  // Forgets disarmed states and dead parameters without hooks (destroying hooks may run code:
+  // add_hook() forgets those, outside the lock) once params_ has doubled since the last sweep.
+  void sweep_if_grown();                                             // requires mutex_
   static void fire(std::vector<Firing>& firings);                    // runs without the mutex held
 
   mutable std::mutex mutex_;
   std::unordered_map<Key, ParamState> params_;
+  size_t sweep_at_ = 64;  // params_'s size that triggers the next sweep
   std::unordered_map<PassId, std::vector<Key>> open_passes_;  // pass -> params touched by it
   uint64_t next_hook_key_ = 1;
 };

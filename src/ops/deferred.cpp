@@ -104,19 +104,22 @@ class GradWriteLocks {
   explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params)
       : GradWriteLocks(std::vector<const at::Tensor*>(params)) {}
   explicit GradWriteLocks(const std::vector<const at::Tensor*>& params) {
-    std::vector<size_t> stripes;
+    uint64_t stripes = 0;  // bit s: stripe s is needed
     for (const at::Tensor* p : params) {
       if (p->defined()) {
-        stripes.push_back(std::hash<const void*>()(p->unsafeGetTensorImpl()) % kStripes);
+        // TensorImpls are 16-byte aligned: the address's low bits would reach 4 stripes only.
+        const auto address = reinterpret_cast<uintptr_t>(p->unsafeGetTensorImpl());
+        stripes |= uint64_t{1} << ((address >> 4) % kStripes);
       }
     }
-    std::sort(stripes.begin(), stripes.end());  // one global order: no deadlock
-    stripes.erase(std::unique(stripes.begin(), stripes.end()), stripes.end());
-    for (size_t s : stripes) locks_.emplace_back(mutexes()[s]);
+    locks_.reserve(static_cast<size_t>(__builtin_popcountll(stripes)));
+    for (size_t s = 0; s < kStripes; ++s) {  // in stripe order, one global order: no deadlock
+      if ((stripes >> s) & 1) locks_.emplace_back(mutexes()[s]);
+    }
   }
 
  private:
-  static constexpr size_t kStripes = 64;
+  static constexpr size_t kStripes = 64;  // the bits of a uint64_t
   static std::array<std::mutex, kStripes>& mutexes() {
     static auto* m = new std::array<std::mutex, kStripes>();
     return *m;
@@ -321,12 +324,19 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
     weight_targets.reserve(groups);
     bias_targets.reserve(groups);
-    // How many groups reach each bias: a bias tied across experts gets its groups' values summed
+    // The biases several groups reach: a bias tied across experts gets its groups' values summed
     // before its .grad is added to (below), so it does not take the in-place bias kernel there.
-    std::unordered_map<const c10::TensorImpl*, int> bias_groups;
+    // (A sorted vector: a hash map's nodes cost more host time for a few dozen experts.)
+    std::vector<const c10::TensorImpl*> biases;
+    biases.reserve(groups);
     for (const auto& sink : sinks) {
-      if (sink.bias.defined()) ++bias_groups[sink.bias.unsafeGetTensorImpl()];
+      if (sink.bias.defined()) biases.push_back(sink.bias.unsafeGetTensorImpl());
     }
+    std::sort(biases.begin(), biases.end());
+    const auto tied_bias = [&biases](const at::Tensor& bias) {
+      const auto range = std::equal_range(biases.begin(), biases.end(), bias.unsafeGetTensorImpl());
+      return range.second - range.first > 1;
+    };
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
@@ -335,7 +345,7 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
           sink.bias.defined() && (sink.bias_main_grad.defined() ||
                                   (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
                                    bias_grad.scalar_type() == grad_output.scalar_type() &&
-                                   bias_groups[sink.bias.unsafeGetTensorImpl()] == 1));
+                                   !tied_bias(sink.bias)));
       bias_value[i] = sink.bias.defined() && !bias_in_place[i];
       any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
       any_bias_value |= static_cast<bool>(bias_value[i]);
@@ -378,7 +388,7 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     // old + (v1 + v3). Then .grads already there get their sums with add_'s arithmetic, those
     // that cannot fail in one multi-tensor add (one launch, not one per parameter).
     std::unordered_map<const c10::TensorImpl*, size_t> slot;
-    slot.reserve(2 * groups);
+    if (any_weight_to_grad || any_bias_value) slot.reserve(2 * groups);
     std::vector<at::Tensor> params_to_grad, sums;
     const auto collect = [&](const at::Tensor& param, const at::Tensor& value) {
       const auto [it, first] = slot.emplace(param.unsafeGetTensorImpl(), params_to_grad.size());

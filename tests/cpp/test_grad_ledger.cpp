@@ -337,6 +337,37 @@ TEST_F(GradLedgerTest, NewTensorsInheritNothingFromDeadOnes) {
   EXPECT_EQ(*calls, 0);
 }
 
+TEST_F(GradLedgerTest, LiveParametersKeepTheirStateAndDeadOnesAreSwept) {
+  // A parameter's state outlives its settled passes (re-creating it each step was host time)
+  // without holding a weak reference to it, and what dead parameters leave behind stays bounded
+  // however many come and go.
+  std::vector<at::Tensor> live;
+  for (int i = 0; i < 10; ++i) live.push_back(torch::zeros({3}));
+  const auto step = [&](const std::vector<at::Tensor>& params, PassId pass) {
+    ledger().open_pass(pass);
+    ledger().expect_deferred(params, pass);
+    ledger().autograd_pass_finished(pass);
+    ledger().deferred_landed(params, pass);
+  };
+  const size_t weak_refs_before = live[1].weak_use_count();
+  auto calls = counting_hook(live[0]);
+  for (int s = 0; s < 5; ++s) step(live, kPassA + s);
+  EXPECT_EQ(*calls, 5);
+  EXPECT_EQ(ledger().tracked_params(), live.size());
+  // Settled, without hooks: no weak reference left (torch.utils.swap_tensors refuses those).
+  EXPECT_EQ(live[1].weak_use_count(), weak_refs_before);
+  for (int i = 0; i < 1000; ++i) {
+    at::Tensor transient = torch::zeros({3});
+    step({transient}, kPassB);
+    step({transient}, kPassC);  // a second pass finds its state
+    EXPECT_EQ(ledger().pending_for(transient), 0);
+  }
+  EXPECT_LE(ledger().tracked_params(), 2 * 64 + live.size());
+  step(live, kPassA);
+  EXPECT_EQ(*calls, 6);
+  for (const at::Tensor& p : live) EXPECT_EQ(ledger().pending_for(p), 0);
+}
+
 TEST_F(GradLedgerTest, DeadParametersHooksAreFreed) {
   // A hook may hold something big (a reducer's bucket); once its parameter is gone it can never
   // run, so the ledger lets it go (at the latest when the next hook is added).
