@@ -49,6 +49,9 @@ struct GroupedGemmArgs {
   /// wgrad: the targets' type, CUDA_R_32F (fp32 main_grad) or CUDA_R_16BF. Two groups of one
   /// launch must not share a target (the caller splits tied targets over launches).
   cudaDataType_t target_type = CUDA_R_32F;
+  /// wgrad: targets[g] = the product instead of +=, zeros for a group without rows (fresh
+  /// gradients in uninitialised memory: no fill first, and the epilogue reads no target).
+  bool overwrite_targets = false;
   /// Optional, device, `groups` + 1 entries: the argument kernel also writes each group's first
   /// row there, and the rows at the end, for a grouped_bias_grad() of the same splits that follows
   /// on the stream (GroupedBiasGradArgs::row_offsets), which then skips computing them.

@@ -226,7 +226,7 @@ at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
 // offsets already on the device (written by the grouped GEMM's argument kernel).
 void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tensor& splits,
                           void* const* targets, cudaDataType_t target_type, void* workspace,
-                          const int64_t* row_offsets) {
+                          const int64_t* row_offsets, bool overwrite) {
   cuda::GroupedBiasGradArgs args;
   args.dy = dy.data_ptr();
   args.dy_type = CUDA_R_16BF;
@@ -238,7 +238,7 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
   args.groups = splits.numel();
   args.targets = targets;
   args.target_type = target_type;
-  args.accumulate = true;
+  args.accumulate = !overwrite;
   args.multiprocessors = multiprocessors_of(dy);
   args.workspace = workspace;
   const cudaError_t status = cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream());
@@ -388,18 +388,21 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
 
 // The grouped kernel's weight gradients added to `targets` (one per group, nullptr skips it; all
 // contiguous, 16-byte aligned, of `target_type`), and the bias gradients to `bias_targets` (of
-// `bias_type`, or none). False where the kernel does not take them; no gradient has been written
-// then. Host time: one table for the splits and every launch's targets, one workspace, and the
-// bias kernel takes the row offsets the GEMM's argument kernel writes.
+// `bias_type`, or none); with `overwrite`, written there instead (zeros for a group without rows;
+// the targets must then be distinct). False where the kernel does not take them; no gradient has
+// been written then. Host time: one table for the splits and every launch's targets, one
+// workspace, and the bias kernel takes the row offsets the GEMM's argument kernel writes.
 bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor& x,
                         const at::Tensor& m_splits, const std::vector<const void*>& targets,
                         cudaDataType_t target_type, const std::vector<const void*>& bias_targets,
-                        cudaDataType_t bias_type) {
+                        cudaDataType_t bias_type, bool overwrite = false) {
   const int64_t groups = m_splits.numel();
   if (groups > 65535) return false;  // the bias kernel's grid has a block row per group
   const size_t target_bytes = static_cast<size_t>(dy.size(1) * x.size(1)) *
                               (target_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
   const auto weight_rounds = rounds_of(targets, target_bytes);
+  TORCH_INTERNAL_ASSERT(!overwrite || weight_rounds.size() <= 1,
+                        "grouped wgrad: overwritten targets must not overlap");
   const bool any_bias = std::any_of(bias_targets.begin(), bias_targets.end(),
                                     [](const void* target) { return target != nullptr; });
   std::vector<const void*> pointers;  // each round's targets, then the bias targets
@@ -412,6 +415,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   args.tokens = dy.data_ptr();
   args.tokens_in = x.data_ptr();
   args.target_type = target_type;
+  args.overwrite_targets = overwrite;
   // One workspace, after the table: the GEMM's (the same for every round), the row offsets, the
   // bias kernel's.
   const size_t gemm_bytes =
@@ -442,7 +446,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
     add_group_bias_grads(who, dy, table.splits,
                          table.pointers + weight_rounds.size() * static_cast<size_t>(groups),
                          bias_type, base + gemm_bytes + offsets_bytes,
-                         weight_rounds.empty() ? nullptr : row_offsets);
+                         weight_rounds.empty() ? nullptr : row_offsets, overwrite);
   }
   return true;
 }
@@ -458,15 +462,15 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>> grouped_linear_wgra
   const at::Tensor x = detail::flatten_tokens(input);
   const int64_t groups = m_splits.numel(), out = dy.size(1), in = x.size(1);
   if (grouped_kernels_take({dy, x}) && dy.size(0) > 0 && out > 0 && in > 0 && groups > 0) {
-    // Fresh gradients: zeros, then the grouped kernel adds each group's sum (a group without rows
-    // keeps its zeros, as nn.Linear's backward gives it). One buffer (one allocation, one fill)
-    // holds the weights' gradients, then the biases'; the bias kernel sums in fp32 and adds once,
-    // so a bf16 bias gradient is its fp32 sum rounded once, as dy.sum(0)'s.
+    // Fresh gradients: the grouped kernels write each group's sum, zeros for a group without
+    // rows (as nn.Linear's backward gives it), into one buffer (one allocation, no fill) that
+    // holds the weights' gradients, then the biases'; the bias kernel sums in fp32 and writes
+    // once, so a bf16 bias gradient is its fp32 sum rounded once, as dy.sum(0)'s.
     const int64_t weight_numel = groups * out * in, bias_groups = compute_bias_grad ? groups : 0;
-    const at::Tensor grads = at::zeros({weight_numel + bias_groups * out}, input.options());
+    const at::Tensor grads = at::empty({weight_numel + bias_groups * out}, input.options());
     if (accumulate_grouped(who, dy, x, m_splits, block_pointers(grads, 0, groups, out * in),
                            CUDA_R_16BF, block_pointers(grads, weight_numel, bias_groups, out),
-                           CUDA_R_16BF)) {
+                           CUDA_R_16BF, /*overwrite=*/true)) {
       return {blocks_of(grads, 0, groups, {out, in}),
               compute_bias_grad ? blocks_of(grads, weight_numel, groups, {out})
                                 : std::vector<at::Tensor>()};

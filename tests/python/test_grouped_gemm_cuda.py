@@ -177,6 +177,32 @@ def test_fresh_gradients_are_independent_and_take_a_second_pass(delay):
     assert_grads_match(layer, reference, exact=False, high_precision=high)
 
 
+@pytest.mark.parametrize("splits_on", ["cuda", "list"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_fresh_gradients_are_written_whole_into_reused_memory(splits_on, bias):
+    """Fresh .grads are written by the grouped kernels into memory that is not filled first: an
+    expert without rows gets exact zeros (weight and bias), the others their sums, whatever the
+    caching allocator hands out (here: blocks that held nans)."""
+    layer = _layer(bias=bias, delay_wgrad_compute=True)
+    reference, high = to_reference(layer), to_reference(layer, torch.float64)
+    splits = SPLITS["imbalanced-with-zeros"]
+    x, gy = _data(splits)
+    m_splits = splits if splits_on == "list" else torch.tensor(splits, device="cuda")
+    garbage = [torch.full((1 << 18,), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(64)]
+    del garbage  # cached by the allocator: the next small allocations reuse these blocks
+    _run(layer, x, gy, m_splits)
+    reference(x, splits).backward(gy)
+    high(x.double(), splits).backward(gy.double())
+    for i, rows in enumerate(splits):
+        names = [f"weight{i}"] + ([f"bias{i}"] if bias else [])
+        for name in names:
+            grad = getattr(layer, name).grad
+            assert not grad.isnan().any(), f"{name}: nan in a fresh gradient"
+            if rows == 0:
+                assert torch.equal(grad, torch.zeros_like(grad)), f"{name}: an expert without rows"
+    assert_grads_match(layer, reference, exact=False, high_precision=high)
+
+
 def test_no_host_synchronisation_with_device_splits():
     """A router's counts on the device: forward, backward and backward_dw (bias, fused fp32
     main_grad) never wait for the device."""

@@ -10,6 +10,7 @@
 //   wgrad  M = out, N = in, K = r:  A = dy[o_g:]ᵀ (M-major),    B = x[o_g:] (N-major),
 //          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue.
 #include <cute/tensor.hpp>
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cutlass/cutlass.h>
@@ -103,15 +104,21 @@ __device__ Stride leading_dimension(int64_t ld) {
   return stride;
 }
 
-// The per-group arguments in the workspace, then the kernel's own workspace (which holds TMA
-// descriptors: those need 128-byte alignment), each part 256-byte aligned.
+// An overwriting wgrad gives a group without rows a product of kZeroRows zero rows: CUTLASS's
+// kernel leaves the accumulators of a problem with no K uninitialised, and a problem with no
+// tiles would leave the target unwritten.
+constexpr int64_t kZeroRows = 8;
+
+// The per-group arguments in the workspace, the zero rows of an overwriting wgrad, then the
+// kernel's own workspace (which holds TMA descriptors: those need 128-byte alignment), each part
+// 256-byte aligned.
 struct WorkspaceLayout {
   size_t ptr_a = 0, ptr_b = 0, ptr_d = 0, stride_a = 0, stride_b = 0, stride_d = 0, problems = 0,
-         kernel = 0, total = 0;
+         zeros = 0, kernel = 0, total = 0;
   template <class K>
-  static WorkspaceLayout of(int64_t groups, size_t kernel_bytes) {
+  static WorkspaceLayout of(const GroupedGemmArgs& args, size_t kernel_bytes) {
     const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-    const size_t g = static_cast<size_t>(groups);
+    const size_t g = static_cast<size_t>(args.groups);
     WorkspaceLayout w;
     size_t at = 0;
     const auto take = [&](size_t bytes) {
@@ -126,6 +133,11 @@ struct WorkspaceLayout {
     w.stride_b = take(g * sizeof(typename K::StrideB));
     w.stride_d = take(g * sizeof(typename K::StrideD));
     w.problems = take(g * sizeof(Problem));
+    w.zeros = take(args.overwrite_targets ? static_cast<size_t>(kZeroRows) *
+                                                static_cast<size_t>(std::max<int64_t>(
+                                                    args.in_features, args.out_features)) *
+                                                sizeof(Bf16)
+                                          : 0);
     w.kernel = take(kernel_bytes);
     w.total = at;
     return w;
@@ -141,6 +153,7 @@ struct GroupArrays {
   typename K::StrideB* stride_b;
   typename K::StrideD* stride_d;
   Problem* problems;
+  Bf16* zeros;  ///< kZeroRows x max(in, out), zeroed by the argument kernel (overwriting wgrad)
 };
 
 // One block; thread g fills group g. The table the arguments point into is written first, where
@@ -151,6 +164,14 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out, Tabl
   using ElementD = typename K::Gemm::ElementD;
   write_table_chunk(table);
   if (threadIdx.x == 0) check_splits_or_stop(args.splits, args.groups, args.rows);
+  if constexpr (kProduct == GroupedProduct::wgrad_accumulate) {
+    if (args.overwrite_targets) {
+      const int64_t widest =
+          args.in_features > args.out_features ? args.in_features : args.out_features;
+      const int64_t zeros = kZeroRows * widest;
+      for (int64_t i = threadIdx.x; i < zeros; i += blockDim.x) out.zeros[i] = Bf16(0.0f);
+    }
+  }
   __syncthreads();
   const auto* tokens = static_cast<const Bf16*>(args.tokens);
   const int64_t in = args.in_features, out_features = args.out_features;
@@ -179,12 +200,15 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out, Tabl
       out.stride_b[g] = leading_dimension<typename K::StrideB>(in);
       out.stride_d[g] = leading_dimension<typename K::StrideD>(in);
     } else {
-      // A group without rows, or without a target in this launch, adds nothing: no tiles.
+      // A group without rows, or without a target in this launch, adds nothing: no tiles; but
+      // overwritten, a group without rows gets the product of the zero rows: zeros.
       void* target = args.targets[g];
-      const bool runs = rows > 0 && target != nullptr;
-      out.problems[g] = runs ? Problem(out_features, in, rows) : Problem(0, in, 0);
-      out.a[g] = tokens + offset * out_features;
-      out.b[g] = static_cast<const Bf16*>(args.tokens_in) + offset * in;
+      const bool zero_rows = rows == 0 && target != nullptr && args.overwrite_targets;
+      const bool runs = (rows > 0 && target != nullptr) || zero_rows;
+      out.problems[g] = runs ? Problem(out_features, in, zero_rows ? int(kZeroRows) : rows)
+                             : Problem(0, in, 0);
+      out.a[g] = zero_rows ? out.zeros : tokens + offset * out_features;
+      out.b[g] = zero_rows ? out.zeros : static_cast<const Bf16*>(args.tokens_in) + offset * in;
       out.d[g] = static_cast<ElementD*>(target);
       out.stride_a[g] = leading_dimension<typename K::StrideA>(out_features);
       out.stride_b[g] = leading_dimension<typename K::StrideB>(in);
@@ -236,17 +260,18 @@ GroupArrays<K> arrays_in(const GroupedGemmArgs& args, const WorkspaceLayout& w) 
           reinterpret_cast<typename K::StrideA*>(base + w.stride_a),
           reinterpret_cast<typename K::StrideB*>(base + w.stride_b),
           reinterpret_cast<typename K::StrideD*>(base + w.stride_d),
-          reinterpret_cast<Problem*>(base + w.problems)};
+          reinterpret_cast<Problem*>(base + w.problems),
+          reinterpret_cast<Bf16*>(base + w.zeros)};
 }
 
 template <class K>
 size_t workspace_bytes(const GroupedGemmArgs& args) {
-  const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
+  const WorkspaceLayout none = WorkspaceLayout::of<K>(args, 0);
   GroupedGemmArgs sized = args;
   sized.workspace = nullptr;
   const size_t kernel_bytes =
       K::Gemm::get_workspace_size(kernel_arguments<K>(sized, arrays_in<K>(sized, none), 0.0f));
-  return WorkspaceLayout::of<K>(args.groups, kernel_bytes).total;
+  return WorkspaceLayout::of<K>(args, kernel_bytes).total;
 }
 
 // The kernel's attributes (its shared memory, clusters of any size), which CUTLASS's adapter sets
@@ -276,11 +301,13 @@ cudaError_t configure_once() {
 template <class K, GroupedProduct kProduct>
 cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
   if (args.groups <= 0) return cudaSuccess;
-  const WorkspaceLayout none = WorkspaceLayout::of<K>(args.groups, 0);
-  const float beta = kProduct == GroupedProduct::wgrad_accumulate || args.add_to_out ? 1.0f : 0.0f;
+  const WorkspaceLayout none = WorkspaceLayout::of<K>(args, 0);
+  const bool adds = kProduct == GroupedProduct::wgrad_accumulate ? !args.overwrite_targets
+                                                                  : args.add_to_out;
+  const float beta = adds ? 1.0f : 0.0f;
   const size_t kernel_bytes =
       K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
-  const WorkspaceLayout w = WorkspaceLayout::of<K>(args.groups, kernel_bytes);
+  const WorkspaceLayout w = WorkspaceLayout::of<K>(args, kernel_bytes);
   const GroupArrays<K> arrays = arrays_in<K>(args, w);
   const TableChunk table = table_chunk(args.table_words, args.table_word_count, args.table);
   fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays, table);
