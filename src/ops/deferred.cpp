@@ -1011,6 +1011,18 @@ std::vector<detail::WgradSinks> sinks_of(const DeferredWgrad& item) {
   return sinks;
 }
 
+// The parameters of `sinks` that are alive, as DeferredWgrad::targets() lists them (each weight,
+// then its bias), without locking their weak references again.
+std::vector<at::Tensor> targets_of(const std::vector<detail::WgradSinks>& sinks) {
+  std::vector<at::Tensor> targets;
+  targets.reserve(2 * sinks.size());
+  for (const auto& sink : sinks) {
+    if (sink.weight.defined()) targets.push_back(sink.weight);
+    if (sink.bias.defined()) targets.push_back(sink.bias);
+  }
+  return targets;
+}
+
 // Runs the items of `batch` in order. Items whose stashed tensors changed, or with a .grad that
 // cannot be added to, are dropped and reported; then nothing runs and the others go back on the
 // queue (kRequeue) or are dropped too (kDropAll), so one call either runs everything or nothing.
@@ -1079,8 +1091,8 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     std::vector<detail::WgradSinks> sinks;
     {
       const detail::ReferenceBatch references;
-      targets = item.targets();
       sinks = sinks_of(item);
+      targets = targets_of(sinks);
       const auto warn = [&](const core::WeakTensor& weight, const core::WeakTensor& bias,
                             const detail::WgradSinks& sink, std::optional<size_t> group) {
         warn_if_freed(item, weight, sink.weight, "weight", group);
