@@ -84,6 +84,7 @@ def test_a_wrong_contender_is_visible(monkeypatch):
     monkeypatch.setattr(bench, "addmm_into", lambda target, a, b: target.addmm_(a, b, alpha=2))
     errors = bench.wgrad_errors(data, bench.wgrad_contenders(data))
     assert errors["(a) addmm loop"] > 0.5 and errors["(d) splitgrad dev"] < 1e-5, errors
+    assert errors["(f) splitgrad fresh"] < 1e-5, errors
 
 
 def test_unknown_shape_is_refused(capsys):
