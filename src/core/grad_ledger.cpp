@@ -72,7 +72,7 @@ uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Forget parameters that died: their hooks (and whatever the hooks hold) can never run again.
   for (auto it = params_.begin(); it != params_.end();) {
-    if (it->second.impl.expired()) {
+    if (it->second.impl.expired() && !disarmed(it->second)) {
       dead.push_back(std::move(it->second));
       it = params_.erase(it);
     } else {
@@ -95,6 +95,8 @@ bool GradLedger::remove_hook(const at::Tensor& param, uint64_t key) {
   if (pos == hooks.end()) return false;
   removed = std::move(pos->second);
   hooks.erase(pos);
+  ParamState& state = it->second;
+  if (state.hooks.empty() && state.passes.empty() && state.dropped == 0) state.impl.reset();
   return true;
 }
 
@@ -294,6 +296,7 @@ void GradLedger::reset() {
   std::lock_guard<std::mutex> lock(mutex_);
   params_.clear();
   open_passes_.clear();
+  sweep_at_ = 64;
 }
 
 }  // namespace splitgrad::core

@@ -135,12 +135,12 @@ struct GroupTable {
   std::vector<uint64_t> words;  ///< the table's words, for the launch that writes them
   bool written = false;
 
-  /// `args`'s launch writes the table first, unless an earlier launch has.
-  void written_by(cuda::GroupedGemmArgs& args) {
+  /// `args`'s launch writes the table first, unless an earlier launch has (set `written` once a
+  /// launch given the words has run).
+  void written_by(cuda::GroupedGemmArgs& args) const {
     args.table_words = words.data();
     args.table_word_count = written ? 0 : static_cast<int64_t>(words.size());
     args.table = reinterpret_cast<uint64_t*>(table.data_ptr());
-    written = true;
   }
 };
 GroupTable group_table(detail::Who who, const at::Tensor& m_splits, const at::Tensor& rows_of,
@@ -308,7 +308,7 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     auto args = grouped_args(cuda::GroupedProduct::fprop, m_splits.numel(), x.size(0), x.size(1),
                              out, x);
     // With biases, the rows' biases are gathered (below) by the splits before the GEMM.
-    GroupTable table = group_table(who, m_splits, x, weight_pointers,
+    const GroupTable table = group_table(who, m_splits, x, weight_pointers,
                                    cuda::grouped_gemm_workspace_bytes(args),
                                    /*check_now=*/!biases.empty(), /*write_now=*/!biases.empty());
     table.written_by(args);
@@ -363,7 +363,7 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     auto args = grouped_args(cuda::GroupedProduct::dgrad, m_splits.numel(), dy.size(0), in,
                              dy.size(1), dy);
-    GroupTable table = group_table(who, m_splits, dy, weight_pointers,
+    const GroupTable table = group_table(who, m_splits, dy, weight_pointers,
                                    cuda::grouped_gemm_workspace_bytes(args),
                                    /*check_now=*/false, /*write_now=*/false);
     table.written_by(args);
@@ -441,6 +441,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
       TORCH_CHECK(r == 0, who(), ": the grouped GEMM took the first targets but not the others");
       return false;
     }
+    table.written = true;
   }
   if (any_bias) {
     add_group_bias_grads(who, dy, table.splits,

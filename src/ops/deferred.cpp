@@ -14,6 +14,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <bitset>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -112,7 +113,7 @@ class GradWriteLocks {
         stripes |= uint64_t{1} << ((address >> 4) % kStripes);
       }
     }
-    locks_.reserve(static_cast<size_t>(__builtin_popcountll(stripes)));
+    locks_.reserve(std::bitset<kStripes>(stripes).count());
     for (size_t s = 0; s < kStripes; ++s) {  // in stripe order, one global order: no deadlock
       if ((stripes >> s) & 1) locks_.emplace_back(mutexes()[s]);
     }

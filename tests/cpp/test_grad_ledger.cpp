@@ -354,7 +354,13 @@ TEST_F(GradLedgerTest, LiveParametersKeepTheirStateAndDeadOnesAreSwept) {
   for (int s = 0; s < 5; ++s) step(live, kPassA + s);
   EXPECT_EQ(*calls, 5);
   EXPECT_EQ(ledger().tracked_params(), live.size());
-  // Settled, without hooks: no weak reference left (torch.utils.swap_tensors refuses those).
+  // Settled, without hooks: no weak reference left (torch.utils.swap_tensors refuses those);
+  // nor once the last hook of a parameter is removed.
+  EXPECT_EQ(live[1].weak_use_count(), weak_refs_before);
+  uint64_t key = 0;
+  counting_hook(live[1], &key);
+  EXPECT_GT(live[1].weak_use_count(), weak_refs_before);
+  EXPECT_TRUE(ledger().remove_hook(live[1], key));
   EXPECT_EQ(live[1].weak_use_count(), weak_refs_before);
   for (int i = 0; i < 1000; ++i) {
     at::Tensor transient = torch::zeros({3});

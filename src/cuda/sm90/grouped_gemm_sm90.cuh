@@ -8,7 +8,8 @@
 //   fprop  M = r, N = out, K = in:  A = x[o_g:]  (row-major),   B = W_g as K-major,  D = y[o_g:]
 //   dgrad  M = r, N = in,  K = out: A = dy[o_g:] (row-major),   B = W_g as N-major,  D = dx[o_g:]
 //   wgrad  M = out, N = in, K = r:  A = dy[o_g:]ᵀ (M-major),    B = x[o_g:] (N-major),
-//          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue.
+//          D = C = target_g, beta = 1: the fp32 sum is added to the target in the epilogue
+//          (beta = 0 where the targets are overwritten: fresh gradients).
 #include <cute/tensor.hpp>
 #include <algorithm>
 #include <atomic>
@@ -164,15 +165,21 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out, Tabl
   using ElementD = typename K::Gemm::ElementD;
   write_table_chunk(table);
   if (threadIdx.x == 0) check_splits_or_stop(args.splits, args.groups, args.rows);
+  // An overwriting wgrad with an expert without rows reads the zero rows: zeroed then only, in
+  // 16-byte stores (the area is a multiple of 128 bytes: features are multiples of 8).
+  bool zero_rows_read = false;
   if constexpr (kProduct == GroupedProduct::wgrad_accumulate) {
-    if (args.overwrite_targets) {
-      const int64_t widest =
-          args.in_features > args.out_features ? args.in_features : args.out_features;
-      const int64_t zeros = kZeroRows * widest;
-      for (int64_t i = threadIdx.x; i < zeros; i += blockDim.x) out.zeros[i] = Bf16(0.0f);
+    for (int64_t g = threadIdx.x; args.overwrite_targets && g < args.groups; g += blockDim.x) {
+      zero_rows_read |= args.splits[g] == 0 && args.targets[g] != nullptr;
     }
   }
-  __syncthreads();
+  if (__syncthreads_or(zero_rows_read)) {
+    const int64_t widest =
+        args.in_features > args.out_features ? args.in_features : args.out_features;
+    const int64_t stores = kZeroRows * widest * static_cast<int64_t>(sizeof(Bf16)) / 16;
+    auto* const zeros = reinterpret_cast<uint4*>(out.zeros);
+    for (int64_t i = threadIdx.x; i < stores; i += blockDim.x) zeros[i] = make_uint4(0, 0, 0, 0);
+  }
   const auto* tokens = static_cast<const Bf16*>(args.tokens);
   const int64_t in = args.in_features, out_features = args.out_features;
   for (int64_t g = threadIdx.x; g < args.groups; g += blockDim.x) {
@@ -309,6 +316,9 @@ cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream) {
       K::Gemm::get_workspace_size(kernel_arguments<K>(args, arrays_in<K>(args, none), beta));
   const WorkspaceLayout w = WorkspaceLayout::of<K>(args, kernel_bytes);
   const GroupArrays<K> arrays = arrays_in<K>(args, w);
+  // grouped_gemm() writes a longer table itself; the launch's parameters stay within 4 KiB.
+  if (args.table_word_count > TableChunk::kWords) return cudaErrorInvalidValue;
+  static_assert(sizeof(GroupedGemmArgs) + sizeof(GroupArrays<K>) + sizeof(TableChunk) <= 4096);
   const TableChunk table = table_chunk(args.table_words, args.table_word_count, args.table);
   fill_group_arrays<K, kProduct><<<1, 256, 0, stream>>>(args, arrays, table);
   if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
