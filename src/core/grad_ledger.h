@@ -129,8 +129,8 @@ class GradLedger {
   static bool disarmed(const ParamState& state);
   // Forgets disarmed states and dead parameters without hooks (destroying hooks may run code:
   // add_hook() forgets those, outside the lock) once params_ has doubled since the last sweep.
-  void sweep_if_grown();                                             // requires mutex_
-  static void fire(std::vector<Firing>& firings);                    // runs without the mutex held
+  void sweep_if_grown();                           // requires mutex_
+  static void fire(std::vector<Firing>& firings);  // runs without the mutex held
 
   mutable std::mutex mutex_;
   std::unordered_map<Key, ParamState> params_;

@@ -125,19 +125,19 @@ std::vector<at::Tensor> blocks_of(const at::Tensor& buffer, int64_t offset, int6
 // table of its own was an allocation and a launch): the splits as the kernels read them (host
 // splits' values first in the table, checked here; device splits as they are, see
 // device_splits()), then `pointers`, then `workspace_bytes` (256-byte aligned). The table is
-// written by the first grouped GEMM's argument kernel (written_by()), or at once (`write_now`)
+// written by the first grouped GEMM's argument kernel (give_words_to()), or at once (`write_now`)
 // for work that reads it before, or without, a grouped GEMM: one launch fewer.
 struct GroupTable {
   at::Tensor splits;  ///< int64 on the device: the table's first entries, or the device tensor
-  void** pointers = nullptr;  ///< the device copy of `pointers`
-  void* workspace = nullptr;  ///< `workspace_bytes` after the table, or nullptr for none
-  at::Tensor table;           ///< keeps the table and the workspace alive
+  void** pointers = nullptr;    ///< the device copy of `pointers`
+  void* workspace = nullptr;    ///< `workspace_bytes` after the table, or nullptr for none
+  at::Tensor table;             ///< keeps the table and the workspace alive
   std::vector<uint64_t> words;  ///< the table's words, for the launch that writes them
   bool written = false;
 
   /// `args`'s launch writes the table first, unless an earlier launch has (set `written` once a
   /// launch given the words has run).
-  void written_by(cuda::GroupedGemmArgs& args) const {
+  void give_words_to(cuda::GroupedGemmArgs& args) const {
     args.table_words = words.data();
     args.table_word_count = written ? 0 : static_cast<int64_t>(words.size());
     args.table = reinterpret_cast<uint64_t*>(table.data_ptr());
@@ -308,10 +308,10 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     auto args = grouped_args(cuda::GroupedProduct::fprop, m_splits.numel(), x.size(0), x.size(1),
                              out, x);
     // With biases, the rows' biases are gathered (below) by the splits before the GEMM.
-    const GroupTable table = group_table(who, m_splits, x, weight_pointers,
-                                   cuda::grouped_gemm_workspace_bytes(args),
-                                   /*check_now=*/!biases.empty(), /*write_now=*/!biases.empty());
-    table.written_by(args);
+    const GroupTable table =
+        group_table(who, m_splits, x, weight_pointers, cuda::grouped_gemm_workspace_bytes(args),
+                    /*check_now=*/!biases.empty(), /*write_now=*/!biases.empty());
+    table.give_words_to(args);
     const at::Tensor& splits = table.splits;
     args.splits = splits.data_ptr<int64_t>();
     args.workspace = table.workspace;
@@ -363,10 +363,10 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
     auto args = grouped_args(cuda::GroupedProduct::dgrad, m_splits.numel(), dy.size(0), in,
                              dy.size(1), dy);
-    const GroupTable table = group_table(who, m_splits, dy, weight_pointers,
-                                   cuda::grouped_gemm_workspace_bytes(args),
-                                   /*check_now=*/false, /*write_now=*/false);
-    table.written_by(args);
+    const GroupTable table =
+        group_table(who, m_splits, dy, weight_pointers, cuda::grouped_gemm_workspace_bytes(args),
+                    /*check_now=*/false, /*write_now=*/false);
+    table.give_words_to(args);
     args.splits = table.splits.data_ptr<int64_t>();
     args.workspace = table.workspace;
     args.tokens = dy.data_ptr();
@@ -425,10 +425,10 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
                                            dy.size(0), dy.size(1), groups, args.multiprocessors)
                                      : 0;
   // Without a GEMM no argument kernel checks device splits or writes the table: done first.
-  GroupTable table = group_table(who, m_splits, dy, pointers,
-                                 gemm_bytes + offsets_bytes + bias_bytes,
-                                 /*check_now=*/weight_rounds.empty(),
-                                 /*write_now=*/weight_rounds.empty());
+  GroupTable table =
+      group_table(who, m_splits, dy, pointers, gemm_bytes + offsets_bytes + bias_bytes,
+                  /*check_now=*/weight_rounds.empty(),
+                  /*write_now=*/weight_rounds.empty());
   args.splits = table.splits.data_ptr<int64_t>();
   char* const base = static_cast<char*>(table.workspace);
   auto* const row_offsets = reinterpret_cast<int64_t*>(base + gemm_bytes);
@@ -436,7 +436,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
     args.targets = table.pointers + r * static_cast<size_t>(groups);
     args.row_offsets = r == 0 && any_bias ? row_offsets : nullptr;
-    table.written_by(args);
+    table.give_words_to(args);
     if (!run_grouped_gemm(who, args)) {
       TORCH_CHECK(r == 0, who(), ": the grouped GEMM took the first targets but not the others");
       return false;

@@ -14,9 +14,9 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <bitset>
 #include <array>
 #include <atomic>
+#include <bitset>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -343,10 +343,10 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
       const at::Tensor bias_grad = sink.bias.defined() ? sink.bias.grad() : at::Tensor();
       bias_in_place[i] =
-          sink.bias.defined() && (sink.bias_main_grad.defined() ||
-                                  (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-                                   bias_grad.scalar_type() == grad_output.scalar_type() &&
-                                   !tied_bias(sink.bias)));
+          sink.bias.defined() &&
+          (sink.bias_main_grad.defined() ||
+           (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+            bias_grad.scalar_type() == grad_output.scalar_type() && !tied_bias(sink.bias)));
       bias_value[i] = sink.bias.defined() && !bias_in_place[i];
       any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
       any_bias_value |= static_cast<bool>(bias_value[i]);
@@ -905,7 +905,8 @@ class AutocastAsQueued {
 };
 
 // `target` (weak) named a parameter when the item was queued, and `locked` finds it freed.
-// `what` ("weight", "bias") and, in a grouped item, the group name it as the layer does ("weight1").
+// `what` ("weight", "bias") and, in a grouped item, the group name it as the layer does
+// ("weight1").
 void warn_if_freed(const DeferredWgrad& item, const core::WeakTensor& target,
                    const at::Tensor& locked, const char* what, std::optional<size_t> group) {
   if (locked.defined() || target._unsafe_get_target() == c10::UndefinedTensorImpl::singleton())
