@@ -13,6 +13,9 @@
 //   at::addmm_         PyTorch's in-place alternative, for scale
 //   backward_dw        the whole deferred step (store, version checks, op, grad-ready ledger)
 //
+// Then the same for a 32-expert GroupedLinear's backward_dw() against a Linear's (bf16, fp32
+// main_grads): the op alone, the whole step, and their difference (the bookkeeping).
+//
 // Then the W steps of 1, 32 and 128 layers captured once in a CUDA graph and replayed: host time
 // per layer per replay, next to the eager backward_dw() of the same layers.
 //
@@ -181,6 +184,79 @@ int main(int argc, char** argv) {
   std::printf("%-40s | %8.2f\n", "op (ops::linear_wgrad_accumulate_)", op);
   std::printf("%-40s | %8.2f\n", "at::addmm_ (PyTorch, for scale)", addmm);
   std::printf("%-40s | %8.2f\n", "backward_dw() (store, checks, op, ledger)", step);
+
+  // The same ladder for a grouped layer's backward_dw() against a Linear's, the shapes of
+  // bench_grouped.py's host section (bf16, 64 -> 512 features with biases, 512 tokens, fp32
+  // main_grads, 32 experts, host splits and device splits): backward_dw() less the op is the
+  // bookkeeping (store, sinks, ledger), the op less its launches the checks and tables.
+  {
+    const int64_t experts = 32, in = 64, out = 512, tokens = 512;
+    const auto bf16 = torch::dtype(torch::kBFloat16).device(device);
+    const torch::Tensor gx = torch::randn({tokens, in}, bf16).requires_grad_(true);
+    const torch::Tensor gdy = torch::randn({tokens, out}, bf16);
+    splitgrad::GroupedLinear experts_layer(splitgrad::GroupedLinearOptions(experts, in, out)
+                                               .params_dtype(torch::kBFloat16)
+                                               .device(device)
+                                               .delay_wgrad_compute(true)
+                                               .fuse_wgrad_accumulation(true));
+    c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
+    for (const auto& p : experts_layer->parameters()) {
+      splitgrad::set_main_grad(p, torch::zeros(p.sizes(), f32));
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      weight_targets.push_back(splitgrad::main_grad(experts_layer->weights[e]));
+      bias_targets.push_back(splitgrad::main_grad(experts_layer->biases[e]));
+    }
+    splitgrad::Linear single(splitgrad::LinearOptions(in, out)
+                                 .params_dtype(torch::kBFloat16)
+                                 .device(device)
+                                 .delay_wgrad_compute(true)
+                                 .fuse_wgrad_accumulation(true));
+    for (const auto& p : single->parameters()) {
+      splitgrad::set_main_grad(p, torch::zeros(p.sizes(), f32));
+    }
+    const torch::Tensor host_splits = torch::full({experts}, tokens / experts, torch::kLong);
+    const torch::Tensor device_splits = host_splits.to(device);
+    const torch::Tensor x_plain = gx.detach();
+    const int64_t reps = 2048;
+    const double linear_op = host_us_per_call(true, reps, nothing, [&](int64_t) {
+      const at::NoGradGuard no_grad;  // as backward_dw() calls it
+      splitgrad::ops::linear_wgrad_accumulate_(gdy, x_plain, splitgrad::main_grad(single->weight),
+                                               splitgrad::main_grad(single->bias));
+    });
+    const double linear_step = host_us_per_call(
+        true, reps,
+        [&](int64_t n) {
+          for (int64_t i = 0; i < n; ++i) single->forward(gx).backward(gdy);
+        },
+        [&](int64_t) { single->backward_dw(); });
+    std::printf(
+        "\none backward_dw() of %lld experts against one Linear (host us per call, bf16, %lld -> "
+        "%lld with biases, %lld tokens, fp32 main_grads)\n",
+        static_cast<long long>(experts), static_cast<long long>(in), static_cast<long long>(out),
+        static_cast<long long>(tokens));
+    std::printf("%-40s | %8s | %8s | %8s\n", "", "op", "step", "step-op");
+    std::printf("%-40s | %8.2f | %8.2f | %8.2f\n", "Linear", linear_op, linear_step,
+                linear_step - linear_op);
+    for (const auto* splits : {&host_splits, &device_splits}) {
+      const double op = host_us_per_call(true, reps, nothing, [&](int64_t) {
+        // As backward_dw() calls it: without grad mode, below the autograd keys.
+        const at::NoGradGuard no_grad;
+        const at::AutoDispatchBelowAutograd below_autograd;
+        splitgrad::ops::grouped_linear_wgrad_accumulate_(gdy, x_plain, *splits, weight_targets,
+                                                         bias_targets);
+      });
+      const double step = host_us_per_call(
+          true, reps,
+          [&](int64_t n) {
+            for (int64_t i = 0; i < n; ++i) experts_layer->forward(gx, *splits).backward(gdy);
+          },
+          [&](int64_t) { experts_layer->backward_dw(); });
+      std::printf("%-40s | %8.2f | %8.2f | %8.2f   (step %.2fx Linear's)\n",
+                  splits->is_cuda() ? "GroupedLinear, device splits" : "GroupedLinear, host splits",
+                  op, step, step - op, step / linear_step);
+    }
+  }
 
   // Graphed W steps: the backward_dw() of every layer captured once in a CUDA graph and replayed.
   // Each layer reads an input and a grad-output the benchmark holds, so the stash the graph reads

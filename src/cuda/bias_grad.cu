@@ -1,4 +1,5 @@
-// db = Σ_tokens dy: a deterministic column sum in two launches (see bias_grad.h).
+// db = Σ_tokens dy: a deterministic column sum in two launches (see bias_grad.h); grouped, in one
+// (grouped_column_sums: the last block of each column tile finishes it, as finish_column_sums).
 //   column_partial_sums: block (32 x 8 threads) = 256 columns x `rows_per_block` rows; each thread
 //     owns 8 adjacent columns and every 8th row of the block's rows, summing in fp32 registers;
 //     the 8 row lanes are then added in order through shared memory -> partials[chunk][column].
@@ -132,11 +133,14 @@ constexpr int kOffsetThreads = 256;
 // offsets[0] = 0, offsets[g + 1] = min(rows, Σ_{h <= g} clamp(splits[h], 0, rows)): monotone and
 // within [0, rows] whatever the splits, so no later kernel reads outside dy. One block, a tile of
 // 256 groups at a time: an inclusive scan per warp by shuffles, then across the 8 warps.
+// It also zeroes the `counter_count` tile counters of the grouped_column_sums that follows.
 __global__ void group_offsets(const int64_t* __restrict__ splits, int64_t groups, int64_t rows,
-                              int64_t* __restrict__ offsets) {
+                              int64_t* __restrict__ offsets, unsigned* __restrict__ tile_counters,
+                              int64_t counter_count) {
   __shared__ int64_t warp_totals[kOffsetThreads / 32];
   __shared__ int64_t carry;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int64_t i = threadIdx.x; i < counter_count; i += kOffsetThreads) tile_counters[i] = 0;
   if (threadIdx.x == 0) {
     offsets[0] = 0;
     carry = 0;
@@ -165,17 +169,21 @@ __global__ void group_offsets(const int64_t* __restrict__ splits, int64_t groups
 // rows_per_block) of its 256 columns like column_partial_sums, but apart for each group the rows
 // belong to, into partials[chunk + g] (a distinct row for each chunk and group that overlap: for
 // two such pairs with chunk < chunk' and g > g', group g' would have a row after one of group g).
-// Groups with a null target are not summed.
-template <typename T>
-__global__ void grouped_column_partial_sums(const T* __restrict__ dy, int64_t rows,
-                                            int64_t features, int64_t ld, int64_t rows_per_block,
-                                            bool vectorized, const int64_t* __restrict__ offsets,
-                                            int64_t groups, void* const* __restrict__ targets,
-                                            float* __restrict__ partials) {
+// Groups with a null target are not summed. The last block of a column tile to finish (counted
+// in tile_counters[x], zero at the launch and left zero) then finishes the tile: each group's
+// partials added in a fixed order and written, the groups in group order, so groups sharing a
+// target (tied experts) reach it one after the other. One launch, no second pass to schedule.
+template <typename T, typename Out>
+__global__ void grouped_column_sums(const T* __restrict__ dy, int64_t rows, int64_t features,
+                                    int64_t ld, int64_t rows_per_block, bool vectorized,
+                                    const int64_t* __restrict__ offsets, int64_t groups,
+                                    void* const* __restrict__ targets, bool accumulate,
+                                    float* __restrict__ partials,
+                                    unsigned* __restrict__ tile_counters) {
   const int64_t col0 =
       (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kColsPerThread;
-  const int64_t col =
-      static_cast<int64_t>(blockIdx.x) * kColsPerBlock + threadIdx.y * kThreadsX + threadIdx.x;
+  const int t = threadIdx.y * kThreadsX + threadIdx.x;  // 0..255: one column per thread
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kColsPerBlock + t;
   const int64_t chunk = blockIdx.y;
   const int64_t chunk_begin = chunk * rows_per_block;
   const int64_t chunk_end = min(rows, chunk_begin + rows_per_block);
@@ -200,73 +208,42 @@ __global__ void grouped_column_partial_sums(const T* __restrict__ dy, int64_t ro
     const float sum = add_row_lanes(acc, lanes);
     if (col < features) partials[(chunk + g) * features + col] = sum;
   }
-}
 
-// Group g's sum of 32 columns, row lane y adding its partials of chunks first + y, first + y + 8,
-// ..., then lane 0 the 8 lanes in order, written into `target` as finish_column_sums does (zeros
-// for a group without rows when overwriting). Every thread of the block must call it.
-template <typename Out>
-__device__ __forceinline__ void finish_group(const float* __restrict__ partials,
-                                             const int64_t* __restrict__ offsets, int64_t g,
-                                             int64_t features, int64_t rows_per_block, int64_t col,
-                                             Out* target, bool accumulate,
-                                             float (&lanes)[kRowLanes][kThreadsX + 1]) {
-  const int64_t begin = offsets[g], end = offsets[g + 1];
-  if (begin >= end) {  // no rows: nothing to add, zeros to write
-    if (!accumulate && threadIdx.y == 0 && col < features) target[col] = from_float<Out>(0.0f);
-    return;
-  }
-  const int64_t first = begin / rows_per_block, last = (end - 1) / rows_per_block;
-  float sum = 0.0f;
-  if (col < features) {
-#pragma unroll 4
-    for (int64_t chunk = first + threadIdx.y; chunk <= last; chunk += kRowLanes)
-      sum += partials[(chunk + g) * features + col];
-  }
-  __syncthreads();  // the previous group's lanes have been read
-  lanes[threadIdx.y][threadIdx.x] = sum;
+  // Publish this block's partials, then count it; the tile's last block goes on.
+  __shared__ bool last;
+  __threadfence();
   __syncthreads();
-  if (threadIdx.y != 0 || col >= features) return;
-  float total = 0.0f;
+  if (t == 0) last = atomicAdd(&tile_counters[blockIdx.x], 1u) == gridDim.y - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (t == 0) tile_counters[blockIdx.x] = 0;  // for the next launch that reuses the memory
+  if (col >= features) return;
+  // Column col of each group: 8 lanes, lane y adding the group's chunks first + y, first + y +
+  // 8, ..., then the lanes in order (the sums of finish_column_sums, bit for bit; L2 loads:
+  // the partials come from other blocks).
+  for (int64_t g = 0; g < groups; ++g) {
+    void* const target_memory = targets[g];
+    if (target_memory == nullptr) continue;
+    Out* const target = static_cast<Out*>(target_memory);
+    const int64_t begin = offsets[g], end = offsets[g + 1];
+    if (begin >= end) {  // no rows: nothing to add, zeros to write
+      if (!accumulate) target[col] = from_float<Out>(0.0f);
+      continue;
+    }
+    const int64_t first = begin / rows_per_block, last_chunk = (end - 1) / rows_per_block;
+    float lane_sums[kRowLanes] = {};
+    for (int64_t c = first; c <= last_chunk; c += kRowLanes) {
 #pragma unroll
-  for (int y = 0; y < kRowLanes; ++y) total += lanes[y][threadIdx.x];
-  const Out rounded = from_float<Out>(total);
-  target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
-}
-
-// grid (column blocks of 32, groups): block (x, g) finishes group g's 32 columns, in parallel
-// with the other groups. A target shared by several groups (tied experts) is written by the
-// block of the first of them only, which adds the groups sharing it in group order.
-template <typename Out>
-__global__ void grouped_finish_column_sums(const float* __restrict__ partials,
-                                           const int64_t* __restrict__ offsets, int64_t groups,
-                                           int64_t features, int64_t rows_per_block,
-                                           void* const* __restrict__ targets, bool accumulate) {
-  const int64_t g = blockIdx.y;
-  void* const target = targets[g];
-  if (target == nullptr) return;
-  constexpr int kThreads = kThreadsX * kRowLanes;
-  const int t = threadIdx.y * kThreadsX + threadIdx.x;  // warp threadIdx.y, lane threadIdx.x
-  bool earlier = false;
-  for (int64_t h = t; h < g; h += kThreads) earlier |= targets[h] == target;
-  if (__syncthreads_or(earlier)) return;  // an earlier group's block writes this target
-
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x;
-  __shared__ float lanes[kRowLanes][kThreadsX + 1];
-  __shared__ unsigned sharing[kRowLanes];  // bit i of word w: group base + 32 w + i, same target
-  for (int64_t base = g; base < groups; base += kThreads) {
-    const unsigned bits =
-        __ballot_sync(0xffffffffu, base + t < groups && targets[base + t] == target);
-    __syncthreads();  // the previous tile's words have been read
-    if (threadIdx.x == 0) sharing[threadIdx.y] = bits;
-    __syncthreads();
-    // The words are in shared memory: every thread walks the same groups (finish_group syncs).
-    for (int w = 0; w < kRowLanes; ++w) {
-      for (unsigned m = sharing[w]; m != 0; m &= m - 1) {
-        finish_group(partials, offsets, base + 32 * w + __ffs(m) - 1, features, rows_per_block, col,
-                     static_cast<Out*>(target), accumulate, lanes);
+      for (int y = 0; y < kRowLanes; ++y) {
+        if (c + y <= last_chunk) lane_sums[y] += __ldcg(&partials[(c + y + g) * features + col]);
       }
     }
+    float total = 0.0f;
+#pragma unroll
+    for (int y = 0; y < kRowLanes; ++y) total += lane_sums[y];
+    const Out rounded = from_float<Out>(total);
+    target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
   }
 }
 
@@ -328,16 +305,19 @@ cudaError_t launch_for_input(const BiasGradArgs& a, cudaStream_t stream) {
   }
 }
 
-// The grouped workspace: the groups + 1 row offsets, then (chunks + groups - 1) x cols partials.
+// The grouped workspace: the groups + 1 row offsets, a counter per column tile, then
+// (chunks + groups - 1) x cols partials.
 struct GroupedLayout {
   Tiling tiling;
-  size_t offsets_bytes, partials_bytes;
+  size_t offsets_bytes, counters_bytes, partials_bytes;
 };
 
 GroupedLayout grouped_layout(int64_t rows, int64_t cols, int64_t groups, int multiprocessors) {
+  const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
   GroupedLayout l;
   l.tiling = tiling_for(rows, cols, multiprocessors);
-  l.offsets_bytes = (static_cast<size_t>(groups + 1) * sizeof(int64_t) + 255) / 256 * 256;
+  l.offsets_bytes = aligned(static_cast<size_t>(groups + 1) * sizeof(int64_t));
+  l.counters_bytes = aligned(static_cast<size_t>(l.tiling.column_blocks) * sizeof(unsigned));
   l.partials_bytes = static_cast<size_t>((l.tiling.chunks + groups - 1) * cols) * sizeof(float);
   return l;
 }
@@ -345,29 +325,25 @@ GroupedLayout grouped_layout(int64_t rows, int64_t cols, int64_t groups, int mul
 template <typename T, typename Out>
 cudaError_t grouped_launch(const GroupedBiasGradArgs& a, cudaStream_t stream) {
   const GroupedLayout l = grouped_layout(a.rows, a.cols, a.groups, a.multiprocessors);
-  auto* const partials =
-      reinterpret_cast<float*>(static_cast<char*>(a.workspace) + l.offsets_bytes);
+  char* const workspace = static_cast<char*>(a.workspace);
+  auto* const partials = reinterpret_cast<float*>(workspace + l.offsets_bytes + l.counters_bytes);
   const int64_t* offsets = a.row_offsets;
+  unsigned* counters = a.tile_counters;
   if (offsets == nullptr) {
-    auto* const computed = static_cast<int64_t*>(a.workspace);
-    group_offsets<<<1, kOffsetThreads, 0, stream>>>(a.splits, a.groups, a.rows, computed);
+    auto* const computed = reinterpret_cast<int64_t*>(workspace);
+    counters = reinterpret_cast<unsigned*>(workspace + l.offsets_bytes);
+    group_offsets<<<1, kOffsetThreads, 0, stream>>>(a.splits, a.groups, a.rows, computed, counters,
+                                                    l.tiling.column_blocks);
     if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
     offsets = computed;
   }
-  if (a.rows > 0) {
-    const bool vectorized = reinterpret_cast<uintptr_t>(a.dy) % 16 == 0 &&
-                            (a.ld * static_cast<int64_t>(sizeof(T))) % 16 == 0;
-    const dim3 grid(static_cast<unsigned>(l.tiling.column_blocks),
-                    static_cast<unsigned>(l.tiling.chunks));
-    grouped_column_partial_sums<T><<<grid, dim3(kThreadsX, kRowLanes), 0, stream>>>(
-        static_cast<const T*>(a.dy), a.rows, a.cols, a.ld, l.tiling.rows_per_block, vectorized,
-        offsets, a.groups, a.targets, partials);
-    if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
-  }
-  const dim3 finish_grid(static_cast<unsigned>((a.cols + kThreadsX - 1) / kThreadsX),
-                         static_cast<unsigned>(a.groups));
-  grouped_finish_column_sums<Out><<<finish_grid, dim3(kThreadsX, kRowLanes), 0, stream>>>(
-      partials, offsets, a.groups, a.cols, l.tiling.rows_per_block, a.targets, a.accumulate);
+  const bool vectorized = reinterpret_cast<uintptr_t>(a.dy) % 16 == 0 &&
+                          (a.ld * static_cast<int64_t>(sizeof(T))) % 16 == 0;
+  const dim3 grid(static_cast<unsigned>(l.tiling.column_blocks),
+                  static_cast<unsigned>(l.tiling.chunks));
+  grouped_column_sums<T, Out><<<grid, dim3(kThreadsX, kRowLanes), 0, stream>>>(
+      static_cast<const T*>(a.dy), a.rows, a.cols, a.ld, l.tiling.rows_per_block, vectorized,
+      offsets, a.groups, a.targets, a.accumulate, partials, counters);
   return cudaGetLastError();
 }
 
@@ -414,7 +390,11 @@ size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t gro
                                          int multiprocessors) {
   if (rows < 0 || cols <= 0 || groups <= 0) return 0;
   const GroupedLayout l = grouped_layout(rows, cols, groups, multiprocessors);
-  return l.offsets_bytes + l.partials_bytes;
+  return l.offsets_bytes + l.counters_bytes + l.partials_bytes;
+}
+
+int64_t grouped_bias_grad_tile_counters(int64_t cols) {
+  return cols <= 0 ? 0 : (cols + kColsPerBlock - 1) / kColsPerBlock;
 }
 
 cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stream) {
@@ -424,7 +404,8 @@ cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stre
   if (args.cols == 0 || args.groups == 0) return cudaSuccess;
   if (args.splits == nullptr || args.targets == nullptr || args.workspace == nullptr ||
       (args.rows > 0 && args.dy == nullptr) ||
-      reinterpret_cast<uintptr_t>(args.workspace) % 16 != 0) {
+      reinterpret_cast<uintptr_t>(args.workspace) % 16 != 0 ||
+      (args.row_offsets != nullptr && args.tile_counters == nullptr)) {
     return cudaErrorInvalidValue;
   }
   switch (args.dy_type) {

@@ -2,7 +2,7 @@
 /// \file bias_grad.h
 /// The bias gradient of a linear layer, db = Σ_tokens dy, as a column sum of dy (and of grouped
 /// experts, a column sum per segment of dy's rows): framework-free (pointers and a stream),
-/// deterministic (fixed summation order, no atomics), fp32 accumulation.
+/// deterministic (fixed summation order; no atomic adds), fp32 accumulation.
 ///
 /// Two launches: each block sums a tile of `rows_per_block` rows x 256 columns into fp32
 /// partial sums (16-byte loads where dy's rows allow), then 8 threads per column add the
@@ -59,6 +59,11 @@ struct GroupedBiasGradArgs {
   /// kernel writes them (GroupedGemmArgs::row_offsets); then one launch fewer. Null: computed
   /// from `splits` here, clamped as above.
   const int64_t* row_offsets = nullptr;
+  /// With `row_offsets` (required then): device, grouped_bias_grad_tile_counters(cols) words,
+  /// zero when the kernel starts (the grouped GEMM's argument kernel zeroes them:
+  /// GroupedGemmArgs::zeroed_words) and zero again when it ends. Without: unused (the workspace
+  /// has its own, zeroed by the launch that computes the offsets).
+  unsigned* tile_counters = nullptr;
   int64_t groups = 0;
   /// Device array of `groups` pointers to [cols] contiguous targets of `target_type`; a null entry
   /// skips its group. Groups sharing a target (tied experts) reach it in group order.
@@ -71,19 +76,22 @@ struct GroupedBiasGradArgs {
   int multiprocessors = 1;    ///< the device's SM count: the tiling keeps every SM busy
 };
 
-/// Scratch bytes grouped_bias_grad() needs for these sizes (the groups' row offsets and fp32
-/// partial sums).
+/// Scratch bytes grouped_bias_grad() needs for these sizes (the groups' row offsets, tile
+/// counters and fp32 partial sums).
 size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t groups,
                                          int multiprocessors);
 
-/// Launches three kernels on `stream` (two with `row_offsets`): the groups' row offsets from the
-/// splits; fp32 partial sums
-/// of tiles of rows (the tiling of bias_grad(), over all rows whatever the routing, so imbalanced
-/// groups keep every SM busy; a tile crossing a group boundary sums each group's part apart); and
-/// each group's partials added in a fixed order and written (the groups in parallel, but the
-/// groups sharing a target one after the other, in group order). Deterministic, no atomics.
-/// Returns the launch's error (cudaSuccess if none), or cudaErrorInvalidValue for bad sizes (more
-/// than 65535 groups), a missing pointer or an element type not listed above.
+/// Counters of column tiles that grouped_bias_grad() needs zeroed where it is given row offsets.
+int64_t grouped_bias_grad_tile_counters(int64_t cols);
+
+/// Launches two kernels on `stream` (one with `row_offsets`): the groups' row offsets from the
+/// splits; and fp32 partial sums of tiles of rows (the tiling of bias_grad(), over all rows
+/// whatever the routing, so imbalanced groups keep every SM busy; a tile crossing a group
+/// boundary sums each group's part apart), after which the last block of each column tile adds
+/// each group's partials in a fixed order and writes them (the groups in group order, so groups
+/// sharing a target reach it one after the other). Deterministic: the only atomic counts blocks.
+/// Returns the launch's error (cudaSuccess if none), or cudaErrorInvalidValue for bad sizes, a
+/// missing pointer (tile counters with row offsets) or an element type not listed above.
 /// cols == 0 or groups == 0 launches nothing.
 cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stream);
 

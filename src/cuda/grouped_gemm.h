@@ -56,6 +56,10 @@ struct GroupedGemmArgs {
   /// row there, and the rows at the end, for a grouped_bias_grad() of the same splits that follows
   /// on the stream (GroupedBiasGradArgs::row_offsets), which then skips computing them.
   int64_t* row_offsets = nullptr;
+  /// Optional, device: `zeroed_word_count` words the argument kernel sets to zero, for that
+  /// grouped_bias_grad() too (GroupedBiasGradArgs::tile_counters).
+  unsigned* zeroed_words = nullptr;
+  int64_t zeroed_word_count = 0;
   /// Optional: host words the argument kernel writes to the device array `table` before it reads
   /// anything, so that `splits`, `weights` and `targets` may point into `table` (one launch fewer
   /// than writing it first; taken by value, as write_table() does, see cuda/group_tables.h).

@@ -222,11 +222,12 @@ at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
 // Each group's bias gradient from its rows of dy, in one pass over dy (cuda/bias_grad.h), added
 // to `targets` (a device array, one per group of `target_type`, nullptr skips a group; tied
 // targets are reached in group order by the kernel itself), in `workspace`
-// (grouped_bias_grad_workspace_bytes()); `row_offsets`, where not null, are the groups' row
-// offsets already on the device (written by the grouped GEMM's argument kernel).
+// (grouped_bias_grad_workspace_bytes()); `row_offsets` and `tile_counters`, where not null, are
+// the groups' row offsets and zeroed counters already on the device (written by the grouped
+// GEMM's argument kernel).
 void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tensor& splits,
                           void* const* targets, cudaDataType_t target_type, void* workspace,
-                          const int64_t* row_offsets, bool overwrite) {
+                          const int64_t* row_offsets, unsigned* tile_counters, bool overwrite) {
   cuda::GroupedBiasGradArgs args;
   args.dy = dy.data_ptr();
   args.dy_type = CUDA_R_16BF;
@@ -235,6 +236,7 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
   args.ld = dy.size(1);
   args.splits = splits.data_ptr<int64_t>();
   args.row_offsets = row_offsets;
+  args.tile_counters = tile_counters;
   args.groups = splits.numel();
   args.targets = targets;
   args.target_type = target_type;
@@ -397,7 +399,6 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
                         cudaDataType_t target_type, const std::vector<const void*>& bias_targets,
                         cudaDataType_t bias_type, bool overwrite = false) {
   const int64_t groups = m_splits.numel();
-  if (groups > 65535) return false;  // the bias kernel's grid has a block row per group
   const size_t target_bytes = static_cast<size_t>(dy.size(1) * x.size(1)) *
                               (target_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
   const auto weight_rounds = rounds_of(targets, target_bytes);
@@ -420,7 +421,10 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   // bias kernel's.
   const size_t gemm_bytes =
       weight_rounds.empty() ? 0 : aligned256(cuda::grouped_gemm_workspace_bytes(args));
-  const size_t offsets_bytes = aligned256(static_cast<size_t>(groups + 1) * sizeof(int64_t));
+  // The row offsets and the bias kernel's tile counters, both written by the argument kernel.
+  const int64_t tile_counters = cuda::grouped_bias_grad_tile_counters(dy.size(1));
+  const size_t offsets_bytes = aligned256(static_cast<size_t>(groups + 1) * sizeof(int64_t) +
+                                          static_cast<size_t>(tile_counters) * sizeof(unsigned));
   const size_t bias_bytes = any_bias ? cuda::grouped_bias_grad_workspace_bytes(
                                            dy.size(0), dy.size(1), groups, args.multiprocessors)
                                      : 0;
@@ -432,10 +436,13 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   args.splits = table.splits.data_ptr<int64_t>();
   char* const base = static_cast<char*>(table.workspace);
   auto* const row_offsets = reinterpret_cast<int64_t*>(base + gemm_bytes);
+  auto* const counters = reinterpret_cast<unsigned*>(row_offsets + groups + 1);
   args.workspace = base;
   for (size_t r = 0; r < weight_rounds.size(); ++r) {
     args.targets = table.pointers + r * static_cast<size_t>(groups);
     args.row_offsets = r == 0 && any_bias ? row_offsets : nullptr;
+    args.zeroed_words = r == 0 && any_bias ? counters : nullptr;
+    args.zeroed_word_count = r == 0 && any_bias ? tile_counters : 0;
     table.give_words_to(args);
     if (!run_grouped_gemm(who, args)) {
       TORCH_CHECK(r == 0, who(), ": the grouped GEMM took the first targets but not the others");
@@ -444,10 +451,12 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
     table.written = true;
   }
   if (any_bias) {
-    add_group_bias_grads(who, dy, table.splits,
-                         table.pointers + weight_rounds.size() * static_cast<size_t>(groups),
-                         bias_type, base + gemm_bytes + offsets_bytes,
-                         weight_rounds.empty() ? nullptr : row_offsets, overwrite);
+    const bool offsets_written = !weight_rounds.empty();
+    void* const* bias_pointers =
+        table.pointers + weight_rounds.size() * static_cast<size_t>(groups);
+    add_group_bias_grads(who, dy, table.splits, bias_pointers, bias_type,
+                         base + gemm_bytes + offsets_bytes, offsets_written ? row_offsets : nullptr,
+                         offsets_written ? counters : nullptr, overwrite);
   }
   return true;
 }
@@ -503,9 +512,11 @@ std::optional<GroupedTargets> grouped_targets(const OptTensorList& weight_grads,
   const auto collect = [groups](const OptTensorList& list, bool aligned,
                                 std::vector<const void*>& pointers, cudaDataType_t& type) {
     std::optional<at::ScalarType> dtype;
-    for (int64_t g = 0; g < groups && !list.empty(); ++g) {
-      const std::optional<at::Tensor> t = list.get(g);
-      if (!t.has_value() || !t->defined()) {
+    const detail::OptionalTensors entries(list);
+    pointers.reserve(static_cast<size_t>(groups));
+    for (int64_t g = 0; g < groups && !entries.empty(); ++g) {
+      const at::Tensor* t = entries[g];
+      if (t == nullptr) {
         pointers.push_back(nullptr);
         continue;
       }

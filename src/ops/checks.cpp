@@ -198,28 +198,42 @@ void check_dgrad_args(Who who, const at::Tensor& grad_output, const at::Tensor& 
 }
 
 namespace {
+// a == b, without a call where both are plain integers (host time: a check per expert).
+bool same_size(const c10::SymInt& a, const c10::SymInt& b) {
+  if (!a.is_heap_allocated() && !b.is_heap_allocated()) {
+    return a.as_int_unchecked() == b.as_int_unchecked();
+  }
+  return a == b;
+}
+
 // The accumulation targets for grad_output [*, out] and input [*, in] (checked already), whose
-// device is `device`: weight_grad [out, in], bias_grad [out].
+// device is `device`: weight_grad [out, in], bias_grad [out] (nullptr: none).
+
 void check_wgrad_targets(Who who, const c10::SymInt& out, const c10::SymInt& in,
-                         const c10::Device& device, const std::optional<at::Tensor>& weight_grad,
-                         const std::optional<at::Tensor>& bias_grad) {
-  if (weight_grad.has_value() && weight_grad->defined()) {
-    TORCH_CHECK_VALUE(weight_grad->dim() == 2 && weight_grad->sym_size(0) == out &&
-                          weight_grad->sym_size(1) == in,
-                      who(), ": expected weight_grad of shape [", out, ", ", in, "], got ",
-                      weight_grad->sym_sizes());
+                         const c10::Device& device, const at::Tensor* weight_grad,
+                         const at::Tensor* bias_grad) {
+  if (weight_grad != nullptr) {
+    const c10::SymIntArrayRef sizes = weight_grad->sym_sizes();
+    TORCH_CHECK_VALUE(sizes.size() == 2 && same_size(sizes[0], out) && same_size(sizes[1], in),
+                      who(), ": expected weight_grad of shape [", out, ", ", in, "], got ", sizes);
     TORCH_CHECK_TYPE(at::isFloatingType(weight_grad->scalar_type()), who(),
                      ": expected a floating-point weight_grad, got ",
                      dtype_name(weight_grad->scalar_type()));
     TORCH_CHECK(weight_grad->device() == device, who(), ": weight_grad on ", weight_grad->device(),
                 " but input on ", device);
   }
-  if (bias_grad.has_value() && bias_grad->defined()) {
-    TORCH_CHECK_VALUE(bias_grad->dim() == 1 && bias_grad->sym_size(0) == out, who(),
-                      ": expected bias_grad of shape [", out, "], got ", bias_grad->sym_sizes());
+  if (bias_grad != nullptr) {
+    const c10::SymIntArrayRef sizes = bias_grad->sym_sizes();
+    TORCH_CHECK_VALUE(sizes.size() == 1 && same_size(sizes[0], out), who(),
+                      ": expected bias_grad of shape [", out, "], got ", sizes);
     TORCH_CHECK(bias_grad->device() == device, who(), ": bias_grad on ", bias_grad->device(),
                 " but input on ", device);
   }
+}
+
+// The defined tensor an optional argument holds, or nullptr.
+const at::Tensor* present(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? &*t : nullptr;
 }
 }  // namespace
 
@@ -228,7 +242,7 @@ void check_wgrad_accumulate_args(Who who, const at::Tensor& grad_output, const a
                                  const std::optional<at::Tensor>& bias_grad) {
   check_wgrad_args(who, grad_output, input);
   check_wgrad_targets(who, grad_output.sym_size(-1), input.sym_size(-1), input.device(),
-                      weight_grad, bias_grad);
+                      present(weight_grad), present(bias_grad));
 }
 
 void check_main_grad(Who who, const std::string& param_name, const at::Tensor& main_grad,
@@ -374,10 +388,11 @@ void check_grouped_wgrad_accumulate_args(Who who, const at::Tensor& grad_output,
   const c10::SymInt out = grad_output.sym_size(-1);
   const c10::SymInt in = input.sym_size(-1);
   const c10::Device device = input.device();
+  const OptionalTensors weights(weight_grads), biases(bias_grads);
   for (int64_t i = 0; i < groups; ++i) {
-    const std::optional<at::Tensor> w = weight_grads.empty() ? std::nullopt : weight_grads.get(i);
-    const std::optional<at::Tensor> b = bias_grads.empty() ? std::nullopt : bias_grads.get(i);
-    if ((!w || !w->defined()) && (!b || !b->defined())) continue;
+    const at::Tensor* w = weights.empty() ? nullptr : weights[i];
+    const at::Tensor* b = biases.empty() ? nullptr : biases[i];
+    if (w == nullptr && b == nullptr) continue;
     auto group_who = [&] { return c10::str(who(), " (group ", i, ")"); };
     check_wgrad_targets(group_who, out, in, device, w, b);
   }

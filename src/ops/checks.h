@@ -123,6 +123,23 @@ void check_splits_tensor(Who who, const at::Tensor& m_splits, std::optional<int6
 /// The splits' values, checked: non-negative, summing to `rows`. m_splits must be on the CPU.
 std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t rows);
 
+/// A `Tensor?[]` argument's entries by reference (host time: c10::List::get() copies each
+/// tensor, a reference count up and down): entry i, or nullptr where it is None or undefined.
+class OptionalTensors {
+ public:
+  explicit OptionalTensors(const c10::List<std::optional<at::Tensor>>& list)
+      : list_(c10::impl::toList(list)) {}
+  bool empty() const { return list_.empty(); }
+  int64_t size() const { return static_cast<int64_t>(list_.size()); }
+  const at::Tensor* operator[](int64_t i) const {
+    const c10::IValue& entry = list_[static_cast<size_t>(i)];
+    return entry.isTensor() && entry.toTensor().defined() ? &entry.toTensor() : nullptr;
+  }
+
+ private:
+  c10::List<c10::IValue> list_;  // the same list, untyped: its entries as IValue references
+};
+
 /// A list of per-group optional tensors: empty, or one entry per group.
 void check_group_list_length(Who who, const char* what,
                              const c10::List<std::optional<at::Tensor>>& list, int64_t groups);

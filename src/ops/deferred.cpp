@@ -1014,14 +1014,15 @@ std::vector<detail::WgradSinks> sinks_of(const DeferredWgrad& item) {
 }
 
 // The parameters of `sinks` that are alive, as DeferredWgrad::targets() lists them (each weight,
-// then its bias), without locking their weak references again.
-std::vector<at::Tensor> targets_of(const std::vector<detail::WgradSinks>& sinks) {
+// then its bias), moved out of the sinks (no reference taken again); the sinks are cleared.
+std::vector<at::Tensor> take_targets(std::vector<detail::WgradSinks>& sinks) {
   std::vector<at::Tensor> targets;
   targets.reserve(2 * sinks.size());
-  for (const auto& sink : sinks) {
-    if (sink.weight.defined()) targets.push_back(sink.weight);
-    if (sink.bias.defined()) targets.push_back(sink.bias);
+  for (auto& sink : sinks) {
+    if (sink.weight.defined()) targets.push_back(std::move(sink.weight));
+    if (sink.bias.defined()) targets.push_back(std::move(sink.bias));
   }
+  sinks.clear();
   return targets;
 }
 
@@ -1089,12 +1090,10 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     // the item's own) dropped together: each in a ReferenceBatch. Parameters freed since the item
     // was queued get nothing (their main_grad neither); the contribution is reported, not lost
     // silently.
-    std::vector<at::Tensor> targets;
     std::vector<detail::WgradSinks> sinks;
     {
       const detail::ReferenceBatch references;
       sinks = sinks_of(item);
-      targets = targets_of(sinks);
       const auto warn = [&](const core::WeakTensor& weight, const core::WeakTensor& bias,
                             const detail::WgradSinks& sink, std::optional<size_t> group) {
         warn_if_freed(item, weight, sink.weight, "weight", group);
@@ -1152,9 +1151,10 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
       TORCH_CHECK(false, nan);
     }
     const core::PassId pass = item.pass;
+    std::vector<at::Tensor> targets;
     {
       const detail::ReferenceBatch references;
-      sinks.clear();
+      targets = take_targets(sinks);
       item = DeferredWgrad{};  // free the stashed activations before the hooks run
     }
     in_flight.settled(batch, index[i]);  // landed: hooks see it no longer pending

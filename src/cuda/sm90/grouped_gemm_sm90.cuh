@@ -165,6 +165,9 @@ __global__ void fill_group_arrays(GroupedGemmArgs args, GroupArrays<K> out, Tabl
   using ElementD = typename K::Gemm::ElementD;
   write_table_chunk(table);
   if (threadIdx.x == 0) check_splits_or_stop(args.splits, args.groups, args.rows);
+  for (int64_t i = threadIdx.x; i < args.zeroed_word_count; i += blockDim.x) {
+    args.zeroed_words[i] = 0;
+  }
   // An overwriting wgrad with an expert without rows reads the zero rows: zeroed then only, in
   // 16-byte stores (the area is a multiple of 128 bytes: features are multiples of 8).
   bool zero_rows_read = false;
