@@ -16,7 +16,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bitset>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -113,11 +112,20 @@ class GradWriteLocks {
         stripes |= uint64_t{1} << ((address >> 4) % kStripes);
       }
     }
-    locks_.reserve(std::bitset<kStripes>(stripes).count());
     for (size_t s = 0; s < kStripes; ++s) {  // in stripe order, one global order: no deadlock
-      if ((stripes >> s) & 1) locks_.emplace_back(mutexes()[s]);
+      if (((stripes >> s) & 1) == 0) continue;
+      try {
+        mutexes()[s].lock();
+      } catch (...) {
+        unlock();
+        throw;
+      }
+      held_ |= uint64_t{1} << s;
     }
   }
+  ~GradWriteLocks() { unlock(); }
+  GradWriteLocks(const GradWriteLocks&) = delete;
+  GradWriteLocks& operator=(const GradWriteLocks&) = delete;
 
  private:
   static constexpr size_t kStripes = 64;  // the bits of a uint64_t
@@ -125,7 +133,13 @@ class GradWriteLocks {
     static auto* m = new std::array<std::mutex, kStripes>();
     return *m;
   }
-  std::vector<std::unique_lock<std::mutex>> locks_;
+  void unlock() {
+    for (size_t s = 0; s < kStripes; ++s) {
+      if ((held_ >> s) & 1) mutexes()[s].unlock();
+    }
+    held_ = 0;
+  }
+  uint64_t held_ = 0;  // bit s: stripe s is locked by this object
 };
 
 // The dtype autograd gives `param`'s .grad: its grad_dtype (a bf16 parameter may keep fp32
@@ -328,10 +342,12 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     // The biases several groups reach: a bias tied across experts gets its groups' values summed
     // before its .grad is added to (below), so it does not take the in-place bias kernel there.
     // (A sorted vector: a hash map's nodes cost more host time for a few dozen experts.)
+    // Only biases without a main_grad are looked up (a main_grad takes every group in place).
     std::vector<const c10::TensorImpl*> biases;
-    biases.reserve(groups);
     for (const auto& sink : sinks) {
-      if (sink.bias.defined()) biases.push_back(sink.bias.unsafeGetTensorImpl());
+      if (sink.bias.defined() && !sink.bias_main_grad.defined()) {
+        biases.push_back(sink.bias.unsafeGetTensorImpl());
+      }
     }
     std::sort(biases.begin(), biases.end());
     const auto tied_bias = [&biases](const at::Tensor& bias) {
@@ -341,7 +357,9 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
-      const at::Tensor bias_grad = sink.bias.defined() ? sink.bias.grad() : at::Tensor();
+      const at::Tensor bias_grad = sink.bias.defined() && !sink.bias_main_grad.defined()
+                                       ? sink.bias.grad()
+                                       : at::Tensor();
       bias_in_place[i] =
           sink.bias.defined() &&
           (sink.bias_main_grad.defined() ||
