@@ -357,9 +357,8 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
       weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
-      const at::Tensor bias_grad = sink.bias.defined() && !sink.bias_main_grad.defined()
-                                       ? sink.bias.grad()
-                                       : at::Tensor();
+      const at::Tensor bias_grad =
+          sink.bias.defined() && !sink.bias_main_grad.defined() ? sink.bias.grad() : at::Tensor();
       bias_in_place[i] =
           sink.bias.defined() &&
           (sink.bias_main_grad.defined() ||
