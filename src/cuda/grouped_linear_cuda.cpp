@@ -254,6 +254,21 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
 // order, as the loop does.
 std::vector<std::vector<const void*>> rounds_of(const std::vector<const void*>& targets,
                                                 size_t bytes_each) {
+  // The usual case, targets that do not overlap (a main_grad per expert), is one round: found
+  // from the sorted addresses (host time: every pair compared costs ~4k instructions at 32
+  // experts, ~65k at 128).
+  std::vector<uintptr_t> sorted;
+  sorted.reserve(targets.size());
+  for (const void* t : targets) {
+    if (t != nullptr) sorted.push_back(reinterpret_cast<uintptr_t>(t));
+  }
+  if (sorted.empty()) return {};
+  std::sort(sorted.begin(), sorted.end());
+  bool overlap = false;
+  for (size_t i = 1; i < sorted.size() && !overlap; ++i) {
+    overlap = sorted[i] - sorted[i - 1] < bytes_each;
+  }
+  if (!overlap) return {targets};
   std::vector<std::vector<const void*>> rounds;
   std::vector<size_t> round_of(targets.size(), 0);
   for (size_t g = 0; g < targets.size(); ++g) {
