@@ -336,36 +336,44 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     GradWriteLocks locks(params);
     std::vector<char> weight_to_grad(groups), bias_in_place(groups), bias_value(groups);
     bool any_weight_to_grad = false, any_bias_value = false;
-    c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
-    weight_targets.reserve(groups);
-    bias_targets.reserve(groups);
-    // The biases several groups reach: a bias tied across experts gets its groups' values summed
-    // before its .grad is added to (below), so it does not take the in-place bias kernel there.
-    // (A sorted vector: a hash map's nodes cost more host time for a few dozen experts.)
-    // Only biases without a main_grad are looked up (a main_grad takes every group in place).
-    std::vector<const c10::TensorImpl*> biases;
-    for (const auto& sink : sinks) {
-      if (sink.bias.defined() && !sink.bias_main_grad.defined()) {
-        biases.push_back(sink.bias.unsafeGetTensorImpl());
-      }
+    for (size_t i = 0; i < groups; ++i) {
+      weight_to_grad[i] = sinks[i].weight.defined() && !sinks[i].weight_main_grad.defined();
+      any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
     }
-    std::sort(biases.begin(), biases.end());
+    // Where the weights' fresh gradients are made anyway, a bias whose gradient goes to its .grad
+    // comes from the same op and is added with them (one op, not a second one in place).
+    // Otherwise a .grad of the gradient's dtype takes the bias kernel in place, unless the bias
+    // is tied across experts: its groups' values are summed before its .grad is added to (below).
+    // (The tied ones from a sorted vector: a hash map's nodes cost more host time for a few dozen
+    // experts.)
+    std::vector<const c10::TensorImpl*> biases;
+    if (!any_weight_to_grad) {
+      for (const auto& sink : sinks) {
+        if (sink.bias.defined() && !sink.bias_main_grad.defined()) {
+          biases.push_back(sink.bias.unsafeGetTensorImpl());
+        }
+      }
+      std::sort(biases.begin(), biases.end());
+    }
     const auto tied_bias = [&biases](const at::Tensor& bias) {
       const auto range = std::equal_range(biases.begin(), biases.end(), bias.unsafeGetTensorImpl());
       return range.second - range.first > 1;
     };
+    c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
+    weight_targets.reserve(groups);
+    bias_targets.reserve(groups);
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
-      weight_to_grad[i] = sink.weight.defined() && !sink.weight_main_grad.defined();
-      const at::Tensor bias_grad =
-          sink.bias.defined() && !sink.bias_main_grad.defined() ? sink.bias.grad() : at::Tensor();
+      const at::Tensor bias_grad = !any_weight_to_grad && sink.bias.defined() &&
+                                           !sink.bias_main_grad.defined()
+                                       ? sink.bias.grad()
+                                       : at::Tensor();
       bias_in_place[i] =
           sink.bias.defined() &&
           (sink.bias_main_grad.defined() ||
            (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
             bias_grad.scalar_type() == grad_output.scalar_type() && !tied_bias(sink.bias)));
       bias_value[i] = sink.bias.defined() && !bias_in_place[i];
-      any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
       any_bias_value |= static_cast<bool>(bias_value[i]);
       weight_targets.push_back(sink.weight.defined() && !weight_to_grad[i]
                                    ? std::optional<at::Tensor>(sink.weight_main_grad)
@@ -405,21 +413,38 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     // them), so that its .grad gets one add, as AccumulateGrad gets the pass's sum:
     // old + (v1 + v3). Then .grads already there get their sums with add_'s arithmetic, those
     // that cannot fail in one multi-tensor add (one launch, not one per parameter).
-    std::unordered_map<const c10::TensorImpl*, size_t> slot;
-    if (any_weight_to_grad || any_bias_value) slot.reserve(2 * groups);
-    std::vector<at::Tensor> params_to_grad, sums;
-    const auto collect = [&](const at::Tensor& param, const at::Tensor& value) {
-      const auto [it, first] = slot.emplace(param.unsafeGetTensorImpl(), params_to_grad.size());
-      if (first) {
-        params_to_grad.push_back(param);
-        sums.push_back(value);
-      } else {
-        sums[it->second] = sums[it->second] + value;
-      }
+    struct Contribution {
+      const c10::TensorImpl* key;
+      const at::Tensor* param;
+      at::Tensor value;
     };
+    std::vector<Contribution> contributions;
+    contributions.reserve(2 * groups);
     for (size_t i = groups; i-- > 0;) {
-      if (weight_to_grad[i]) collect(sinks[i].weight, fresh_weight[i]);
-      if (bias_value[i]) collect(sinks[i].bias, fresh_bias[i]);
+      if (weight_to_grad[i]) {
+        contributions.push_back(
+            {sinks[i].weight.unsafeGetTensorImpl(), &sinks[i].weight, fresh_weight[i]});
+      }
+      if (bias_value[i]) {
+        contributions.push_back(
+            {sinks[i].bias.unsafeGetTensorImpl(), &sinks[i].bias, fresh_bias[i]});
+      }
+    }
+    // Sorted by parameter, each parameter's values kept in the order above (a stable sort), then
+    // summed: a sorted vector costs less host time than a hash map for a few dozen experts.
+    std::stable_sort(
+        contributions.begin(), contributions.end(),
+        [](const Contribution& a, const Contribution& b) { return a.key < b.key; });
+    std::vector<at::Tensor> params_to_grad, sums;
+    params_to_grad.reserve(contributions.size());
+    sums.reserve(contributions.size());
+    for (size_t c = 0; c < contributions.size(); ++c) {
+      if (c > 0 && contributions[c].key == contributions[c - 1].key) {
+        sums.back() = sums.back() + contributions[c].value;
+      } else {
+        params_to_grad.push_back(*contributions[c].param);
+        sums.push_back(std::move(contributions[c].value));
+      }
     }
     // Three kinds, in this order, so that an add that fails (an inference-tensor or expanded
     // .grad) comes before anything is written: .grads the multi-tensor add might fail on (or
