@@ -364,10 +364,10 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     bias_targets.reserve(groups);
     for (size_t i = 0; i < groups; ++i) {
       const WgradSinks& sink = sinks[i];
-      const at::Tensor bias_grad = !any_weight_to_grad && sink.bias.defined() &&
-                                           !sink.bias_main_grad.defined()
-                                       ? sink.bias.grad()
-                                       : at::Tensor();
+      const at::Tensor bias_grad =
+          !any_weight_to_grad && sink.bias.defined() && !sink.bias_main_grad.defined()
+              ? sink.bias.grad()
+              : at::Tensor();
       bias_in_place[i] =
           sink.bias.defined() &&
           (sink.bias_main_grad.defined() ||
@@ -432,9 +432,8 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     }
     // Sorted by parameter, each parameter's values kept in the order above (a stable sort), then
     // summed: a sorted vector costs less host time than a hash map for a few dozen experts.
-    std::stable_sort(
-        contributions.begin(), contributions.end(),
-        [](const Contribution& a, const Contribution& b) { return a.key < b.key; });
+    std::stable_sort(contributions.begin(), contributions.end(),
+                     [](const Contribution& a, const Contribution& b) { return a.key < b.key; });
     std::vector<at::Tensor> params_to_grad, sums;
     params_to_grad.reserve(contributions.size());
     sums.reserve(contributions.size());
@@ -562,8 +561,8 @@ std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
               sinks[i].weight, sinks[i].weight_main_grad, "weight", 2 * i},
           {sinks[i].bias, sinks[i].bias_main_grad, "bias", 2 * i + 1}}) {
       if (had_nan[slot] || !has_nan(written_buffer(param, main_grad))) continue;
-      return c10::str(layer_label(layer, gemm), ": ", what, " wrote nan values into ", name,
-                      suffix, "'s ", main_grad.defined() ? "main_grad" : ".grad",
+      return c10::str(layer_label(layer, gemm), ": ", what, " wrote nan values into ", name, suffix,
+                      "'s ", main_grad.defined() ? "main_grad" : ".grad",
                       " (anomaly detection with check_nan=True, which plain autograd reports as a "
                       "backward Function that \"returned nan values\")");
     }
@@ -1017,8 +1016,9 @@ std::string unwritable_grad_reason(const DeferredWgrad& item,
       if (!grad.defined() || grad.layout() != at::kStrided) continue;  // sparse: made dense anew
       std::string why;
       if (grad.is_inference()) {
-        why = "it is an inference tensor (set under torch.inference_mode), which cannot be "
-              "updated in place outside it";
+        why =
+            "it is an inference tensor (set under torch.inference_mode), which cannot be "
+            "updated in place outside it";
       } else if (at::has_internal_overlap(grad) == at::MemOverlap::Yes) {
         why = c10::str("elements of it share memory (an expanded tensor, strides ", grad.strides(),
                        "), so it cannot be added to in place");
