@@ -1,5 +1,6 @@
 // db = Σ_tokens dy: a deterministic column sum in two launches (see bias_grad.h); grouped, in one
-// (grouped_column_sums: the last block of each column tile finishes it, as finish_column_sums).
+// (grouped_column_sums: the last block to write a group's partials finishes it, as
+// finish_column_sums does).
 //   column_partial_sums: block (32 x 8 threads) = 256 columns x `rows_per_block` rows; each thread
 //     owns 8 adjacent columns and every 8th row of the block's rows, summing in fp32 registers;
 //     the 8 row lanes are then added in order through shared memory -> partials[chunk][column].
@@ -165,20 +166,48 @@ __global__ void group_offsets(const int64_t* __restrict__ splits, int64_t groups
   }
 }
 
+// Column `col` of group g's sum, from its partials (rows first + g .. last + g of `partials`, one
+// per chunk the group's rows [begin, end) overlap), written to `target`: 8 lanes, lane y adding
+// the chunks first + y, first + y + 8, ..., then the lanes in order (the sums of
+// finish_column_sums, bit for bit). L2 loads: the partials come from other blocks.
+template <typename Out>
+__device__ __forceinline__ void finish_group(const float* __restrict__ partials, int64_t features,
+                                             int64_t col, int64_t g, int64_t begin, int64_t end,
+                                             int64_t rows_per_block, Out* target, bool accumulate) {
+  const int64_t first = begin / rows_per_block, last_chunk = (end - 1) / rows_per_block;
+  float lane_sums[kRowLanes] = {};
+  for (int64_t c = first; c <= last_chunk; c += kRowLanes) {
+#pragma unroll
+    for (int y = 0; y < kRowLanes; ++y) {
+      if (c + y <= last_chunk) lane_sums[y] += __ldcg(&partials[(c + y + g) * features + col]);
+    }
+  }
+  float total = 0.0f;
+#pragma unroll
+  for (int y = 0; y < kRowLanes; ++y) total += lane_sums[y];
+  const Out rounded = from_float<Out>(total);
+  target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
+}
+
 // grid (column tiles, chunks): block (x, chunk) sums rows [chunk * rows_per_block, +
 // rows_per_block) of its 256 columns like column_partial_sums, but apart for each group the rows
 // belong to, into partials[chunk + g] (a distinct row for each chunk and group that overlap: for
 // two such pairs with chunk < chunk' and g > g', group g' would have a row after one of group g).
-// Groups with a null target are not summed. The last block of a column tile to finish (counted
-// in tile_counters[x], zero at the launch and left zero) then finishes the tile: each group's
-// partials added in a fixed order and written, the groups in group order, so groups sharing a
-// target (tied experts) reach it one after the other. One launch, no second pass to schedule.
+// Groups with a null target are not summed. Then each group is finished (its partials added in a
+// fixed order and written) by the last block to write partials of it, found by counting:
+// - distinct targets: a counter per column tile and group, so the groups finish in parallel,
+//   each as soon as its own chunks are done (no tail of one block adding every group's);
+// - targets shared by groups (tied experts): the last block of the column tile (a counter per
+//   tile) finishes every group, in group order, so a shared target gets its groups one after the
+//   other.
+// Groups without rows get zeros (overwrite) from the tile's last block. Counters are zero at the
+// launch and left zero. One launch, no second pass to schedule.
 template <typename T, typename Out>
 __global__ void grouped_column_sums(const T* __restrict__ dy, int64_t rows, int64_t features,
                                     int64_t ld, int64_t rows_per_block, bool vectorized,
                                     const int64_t* __restrict__ offsets, int64_t groups,
                                     void* const* __restrict__ targets, bool accumulate,
-                                    float* __restrict__ partials,
+                                    bool distinct_targets, float* __restrict__ partials,
                                     unsigned* __restrict__ tile_counters) {
   const int64_t col0 =
       (static_cast<int64_t>(blockIdx.x) * kThreadsX + threadIdx.x) * kColsPerThread;
@@ -199,7 +228,9 @@ __global__ void grouped_column_sums(const T* __restrict__ dy, int64_t rows, int6
   }
   __shared__ TileLanes lanes;
   // Every test below depends on g only: the whole block takes the same path (__syncthreads).
-  for (int64_t g = lo; g < groups && offsets[g] < chunk_end; ++g) {
+  int64_t touched_end = lo;  // this block's groups: [lo, touched_end)
+  for (; touched_end < groups && offsets[touched_end] < chunk_end; ++touched_end) {
+    const int64_t g = touched_end;
     const int64_t begin = max(offsets[g], chunk_begin), end = min(offsets[g + 1], chunk_end);
     if (begin >= end || targets[g] == nullptr) continue;
     float acc[kColsPerThread] = {};
@@ -209,19 +240,49 @@ __global__ void grouped_column_sums(const T* __restrict__ dy, int64_t rows, int6
     if (col < features) partials[(chunk + g) * features + col] = sum;
   }
 
-  // Publish this block's partials, then count it; the tile's last block goes on.
-  __shared__ bool last;
+  // Publish this block's partials, then count it.
   __threadfence();
   __syncthreads();
+  if (distinct_targets) {
+    // Thread i counts group base + i; the groups this block completes are finished here.
+    unsigned* const group_counters = tile_counters + gridDim.x + blockIdx.x * groups;
+    __shared__ bool completes[kColsPerBlock];
+    for (int64_t base = lo; base < touched_end; base += kColsPerBlock) {
+      const int64_t g = base + t;
+      bool completed = false;
+      if (g < touched_end && targets[g] != nullptr) {
+        const int64_t begin = offsets[g], end = offsets[g + 1];
+        if (max(begin, chunk_begin) < min(end, chunk_end)) {
+          const auto chunks_of_group =
+              static_cast<unsigned>((end - 1) / rows_per_block - begin / rows_per_block + 1);
+          completed = atomicAdd(&group_counters[g], 1u) == chunks_of_group - 1;
+        }
+      }
+      completes[t] = completed;
+      __syncthreads();
+      const int64_t count = min(static_cast<int64_t>(kColsPerBlock), touched_end - base);
+      for (int64_t i = 0; i < count; ++i) {
+        if (!completes[i]) continue;
+        __threadfence();
+        const int64_t done = base + i;
+        if (t == 0) group_counters[done] = 0;  // for the next launch that reuses the memory
+        if (col < features) {
+          finish_group(partials, features, col, done, offsets[done], offsets[done + 1],
+                       rows_per_block, static_cast<Out*>(targets[done]), accumulate);
+        }
+      }
+      __syncthreads();  // completes[] read before the next round writes it
+    }
+    if (accumulate) return;  // a group without rows adds nothing: no tile pass needed
+  }
+
+  __shared__ bool last;
   if (t == 0) last = atomicAdd(&tile_counters[blockIdx.x], 1u) == gridDim.y - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();
   if (t == 0) tile_counters[blockIdx.x] = 0;  // for the next launch that reuses the memory
   if (col >= features) return;
-  // Column col of each group: 8 lanes, lane y adding the group's chunks first + y, first + y +
-  // 8, ..., then the lanes in order (the sums of finish_column_sums, bit for bit; L2 loads:
-  // the partials come from other blocks).
   for (int64_t g = 0; g < groups; ++g) {
     void* const target_memory = targets[g];
     if (target_memory == nullptr) continue;
@@ -231,19 +292,9 @@ __global__ void grouped_column_sums(const T* __restrict__ dy, int64_t rows, int6
       if (!accumulate) target[col] = from_float<Out>(0.0f);
       continue;
     }
-    const int64_t first = begin / rows_per_block, last_chunk = (end - 1) / rows_per_block;
-    float lane_sums[kRowLanes] = {};
-    for (int64_t c = first; c <= last_chunk; c += kRowLanes) {
-#pragma unroll
-      for (int y = 0; y < kRowLanes; ++y) {
-        if (c + y <= last_chunk) lane_sums[y] += __ldcg(&partials[(c + y + g) * features + col]);
-      }
+    if (!distinct_targets) {
+      finish_group(partials, features, col, g, begin, end, rows_per_block, target, accumulate);
     }
-    float total = 0.0f;
-#pragma unroll
-    for (int y = 0; y < kRowLanes; ++y) total += lane_sums[y];
-    const Out rounded = from_float<Out>(total);
-    target[col] = accumulate ? from_float<Out>(to_float(target[col]) + to_float(rounded)) : rounded;
   }
 }
 
@@ -305,8 +356,8 @@ cudaError_t launch_for_input(const BiasGradArgs& a, cudaStream_t stream) {
   }
 }
 
-// The grouped workspace: the groups + 1 row offsets, a counter per column tile, then
-// (chunks + groups - 1) x cols partials.
+// The grouped workspace: the groups + 1 row offsets, a counter per column tile and one per column
+// tile and group (grouped_bias_grad_tile_counters()), then (chunks + groups - 1) x cols partials.
 struct GroupedLayout {
   Tiling tiling;
   size_t offsets_bytes, counters_bytes, partials_bytes;
@@ -317,7 +368,8 @@ GroupedLayout grouped_layout(int64_t rows, int64_t cols, int64_t groups, int mul
   GroupedLayout l;
   l.tiling = tiling_for(rows, cols, multiprocessors);
   l.offsets_bytes = aligned(static_cast<size_t>(groups + 1) * sizeof(int64_t));
-  l.counters_bytes = aligned(static_cast<size_t>(l.tiling.column_blocks) * sizeof(unsigned));
+  l.counters_bytes = aligned(static_cast<size_t>(grouped_bias_grad_tile_counters(cols, groups)) *
+                             sizeof(unsigned));
   l.partials_bytes = static_cast<size_t>((l.tiling.chunks + groups - 1) * cols) * sizeof(float);
   return l;
 }
@@ -332,8 +384,9 @@ cudaError_t grouped_launch(const GroupedBiasGradArgs& a, cudaStream_t stream) {
   if (offsets == nullptr) {
     auto* const computed = reinterpret_cast<int64_t*>(workspace);
     counters = reinterpret_cast<unsigned*>(workspace + l.offsets_bytes);
-    group_offsets<<<1, kOffsetThreads, 0, stream>>>(a.splits, a.groups, a.rows, computed, counters,
-                                                    l.tiling.column_blocks);
+    group_offsets<<<1, kOffsetThreads, 0, stream>>>(
+        a.splits, a.groups, a.rows, computed, counters,
+        grouped_bias_grad_tile_counters(a.cols, a.groups));
     if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) return error;
     offsets = computed;
   }
@@ -343,7 +396,7 @@ cudaError_t grouped_launch(const GroupedBiasGradArgs& a, cudaStream_t stream) {
                   static_cast<unsigned>(l.tiling.chunks));
   grouped_column_sums<T, Out><<<grid, dim3(kThreadsX, kRowLanes), 0, stream>>>(
       static_cast<const T*>(a.dy), a.rows, a.cols, a.ld, l.tiling.rows_per_block, vectorized,
-      offsets, a.groups, a.targets, a.accumulate, partials, counters);
+      offsets, a.groups, a.targets, a.accumulate, a.distinct_targets, partials, counters);
   return cudaGetLastError();
 }
 
@@ -393,8 +446,9 @@ size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t gro
   return l.offsets_bytes + l.counters_bytes + l.partials_bytes;
 }
 
-int64_t grouped_bias_grad_tile_counters(int64_t cols) {
-  return cols <= 0 ? 0 : (cols + kColsPerBlock - 1) / kColsPerBlock;
+int64_t grouped_bias_grad_tile_counters(int64_t cols, int64_t groups) {
+  if (cols <= 0 || groups < 0) return 0;
+  return (cols + kColsPerBlock - 1) / kColsPerBlock * (1 + groups);
 }
 
 cudaError_t grouped_bias_grad(const GroupedBiasGradArgs& args, cudaStream_t stream) {

@@ -59,8 +59,8 @@ struct GroupedBiasGradArgs {
   /// kernel writes them (GroupedGemmArgs::row_offsets); then one launch fewer. Null: computed
   /// from `splits` here, clamped as above.
   const int64_t* row_offsets = nullptr;
-  /// With `row_offsets` (required then): device, grouped_bias_grad_tile_counters(cols) words,
-  /// zero when the kernel starts (the grouped GEMM's argument kernel zeroes them:
+  /// With `row_offsets` (required then): device, grouped_bias_grad_tile_counters(cols, groups)
+  /// words, zero when the kernel starts (the grouped GEMM's argument kernel zeroes them:
   /// GroupedGemmArgs::zeroed_words) and zero again when it ends. Without: unused (the workspace
   /// has its own, zeroed by the launch that computes the offsets).
   unsigned* tile_counters = nullptr;
@@ -72,6 +72,11 @@ struct GroupedBiasGradArgs {
   /// `target += Σ dy[group's rows]` (a group without rows adds nothing), or `target = Σ ...`
   /// (zeros for a group without rows).
   bool accumulate = true;
+  /// No two groups' targets overlap (a target per expert): each group is then finished by the last
+  /// block to sum its rows, all groups in parallel. False: the groups are finished one after the
+  /// other in group order (shared targets are safe; the work of all groups falls on one block per
+  /// 256 columns). Setting it for overlapping targets is a data race.
+  bool distinct_targets = false;
   void* workspace = nullptr;  ///< at least grouped_bias_grad_workspace_bytes(), 16-byte aligned
   int multiprocessors = 1;    ///< the device's SM count: the tiling keeps every SM busy
 };
@@ -81,15 +86,17 @@ struct GroupedBiasGradArgs {
 size_t grouped_bias_grad_workspace_bytes(int64_t rows, int64_t cols, int64_t groups,
                                          int multiprocessors);
 
-/// Counters of column tiles that grouped_bias_grad() needs zeroed where it is given row offsets.
-int64_t grouped_bias_grad_tile_counters(int64_t cols);
+/// Counters (one per column tile, and one per column tile and group) that grouped_bias_grad()
+/// needs zeroed where it is given row offsets.
+int64_t grouped_bias_grad_tile_counters(int64_t cols, int64_t groups);
 
 /// Launches two kernels on `stream` (one with `row_offsets`): the groups' row offsets from the
 /// splits; and fp32 partial sums of tiles of rows (the tiling of bias_grad(), over all rows
 /// whatever the routing, so imbalanced groups keep every SM busy; a tile crossing a group
-/// boundary sums each group's part apart), after which the last block of each column tile adds
-/// each group's partials in a fixed order and writes them (the groups in group order, so groups
-/// sharing a target reach it one after the other). Deterministic: the only atomic counts blocks.
+/// boundary sums each group's part apart); the last block to sum a group's rows then adds its
+/// partials in a fixed order and writes them (with shared targets, the last block of each column
+/// tile does so for all groups in group order, so groups sharing a target reach it one after the
+/// other). Deterministic: the only atomics count blocks.
 /// Returns the launch's error (cudaSuccess if none), or cudaErrorInvalidValue for bad sizes, a
 /// missing pointer (tile counters with row offsets) or an element type not listed above.
 /// cols == 0 or groups == 0 launches nothing.

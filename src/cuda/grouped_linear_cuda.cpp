@@ -227,7 +227,8 @@ at::Tensor group_of_rows(const at::Tensor& splits, int64_t rows) {
 // GEMM's argument kernel).
 void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tensor& splits,
                           void* const* targets, cudaDataType_t target_type, void* workspace,
-                          const int64_t* row_offsets, unsigned* tile_counters, bool overwrite) {
+                          const int64_t* row_offsets, unsigned* tile_counters, bool overwrite,
+                          bool distinct_targets) {
   cuda::GroupedBiasGradArgs args;
   args.dy = dy.data_ptr();
   args.dy_type = CUDA_R_16BF;
@@ -241,11 +242,27 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
   args.targets = targets;
   args.target_type = target_type;
   args.accumulate = !overwrite;
+  args.distinct_targets = distinct_targets;
   args.multiprocessors = multiprocessors_of(dy);
   args.workspace = workspace;
   const cudaError_t status = cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status == cudaSuccess, who(), ": the grouped bias gradient kernel failed (",
               cudaGetErrorString(status), ")");
+}
+
+// Whether two of the non-null `targets` (each `bytes_each` long) overlap: from the sorted
+// addresses (host time: every pair compared costs ~4k instructions at 32 experts, ~65k at 128).
+bool any_targets_overlap(const std::vector<const void*>& targets, size_t bytes_each) {
+  std::vector<uintptr_t> sorted;
+  sorted.reserve(targets.size());
+  for (const void* t : targets) {
+    if (t != nullptr) sorted.push_back(reinterpret_cast<uintptr_t>(t));
+  }
+  std::sort(sorted.begin(), sorted.end());
+  for (size_t i = 1; i < sorted.size(); ++i) {
+    if (sorted[i] - sorted[i - 1] < bytes_each) return true;
+  }
+  return false;
 }
 
 // The targets split into launches so that no launch writes a byte twice: a target goes one round
@@ -254,21 +271,11 @@ void add_group_bias_grads(detail::Who who, const at::Tensor& dy, const at::Tenso
 // order, as the loop does.
 std::vector<std::vector<const void*>> rounds_of(const std::vector<const void*>& targets,
                                                 size_t bytes_each) {
-  // The usual case, targets that do not overlap (a main_grad per expert), is one round: found
-  // from the sorted addresses (host time: every pair compared costs ~4k instructions at 32
-  // experts, ~65k at 128).
-  std::vector<uintptr_t> sorted;
-  sorted.reserve(targets.size());
-  for (const void* t : targets) {
-    if (t != nullptr) sorted.push_back(reinterpret_cast<uintptr_t>(t));
+  if (std::all_of(targets.begin(), targets.end(), [](const void* t) { return t == nullptr; })) {
+    return {};
   }
-  if (sorted.empty()) return {};
-  std::sort(sorted.begin(), sorted.end());
-  bool overlap = false;
-  for (size_t i = 1; i < sorted.size() && !overlap; ++i) {
-    overlap = sorted[i] - sorted[i - 1] < bytes_each;
-  }
-  if (!overlap) return {targets};
+  // The usual case, targets that do not overlap (a main_grad per expert), is one round.
+  if (!any_targets_overlap(targets, bytes_each)) return {targets};
   std::vector<std::vector<const void*>> rounds;
   std::vector<size_t> round_of(targets.size(), 0);
   for (size_t g = 0; g < targets.size(); ++g) {
@@ -322,8 +329,8 @@ at::Tensor grouped_linear_fprop(const at::Tensor& input, const at::Tensor& m_spl
     }
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
-    auto args = grouped_args(cuda::GroupedProduct::fprop, m_splits.numel(), x.size(0), x.size(1),
-                             out, x);
+    auto args =
+        grouped_args(cuda::GroupedProduct::fprop, m_splits.numel(), x.size(0), x.size(1), out, x);
     // With biases, the rows' biases are gathered (below) by the splits before the GEMM.
     const GroupTable table =
         group_table(who, m_splits, x, weight_pointers, cuda::grouped_gemm_workspace_bytes(args),
@@ -378,8 +385,8 @@ at::Tensor grouped_linear_dgrad(const at::Tensor& grad_output, const at::Tensor&
     }
     std::vector<const void*> weight_pointers;
     for (const at::Tensor& w : weights) weight_pointers.push_back(w.data_ptr());
-    auto args = grouped_args(cuda::GroupedProduct::dgrad, m_splits.numel(), dy.size(0), in,
-                             dy.size(1), dy);
+    auto args =
+        grouped_args(cuda::GroupedProduct::dgrad, m_splits.numel(), dy.size(0), in, dy.size(1), dy);
     const GroupTable table =
         group_table(who, m_splits, dy, weight_pointers, cuda::grouped_gemm_workspace_bytes(args),
                     /*check_now=*/false, /*write_now=*/false);
@@ -437,7 +444,7 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
   const size_t gemm_bytes =
       weight_rounds.empty() ? 0 : aligned256(cuda::grouped_gemm_workspace_bytes(args));
   // The row offsets and the bias kernel's tile counters, both written by the argument kernel.
-  const int64_t tile_counters = cuda::grouped_bias_grad_tile_counters(dy.size(1));
+  const int64_t tile_counters = cuda::grouped_bias_grad_tile_counters(dy.size(1), groups);
   const size_t offsets_bytes = aligned256(static_cast<size_t>(groups + 1) * sizeof(int64_t) +
                                           static_cast<size_t>(tile_counters) * sizeof(unsigned));
   const size_t bias_bytes = any_bias ? cuda::grouped_bias_grad_workspace_bytes(
@@ -469,9 +476,13 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
     const bool offsets_written = !weight_rounds.empty();
     void* const* bias_pointers =
         table.pointers + weight_rounds.size() * static_cast<size_t>(groups);
+    // Biases of tied experts share a target: their groups are then finished in group order.
+    const size_t bias_bytes_each = static_cast<size_t>(dy.size(1)) *
+                                   (bias_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
+    const bool distinct_biases = overwrite || !any_targets_overlap(bias_targets, bias_bytes_each);
     add_group_bias_grads(who, dy, table.splits, bias_pointers, bias_type,
                          base + gemm_bytes + offsets_bytes, offsets_written ? row_offsets : nullptr,
-                         offsets_written ? counters : nullptr, overwrite);
+                         offsets_written ? counters : nullptr, overwrite, distinct_biases);
   }
   return true;
 }

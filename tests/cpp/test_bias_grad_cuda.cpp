@@ -1,7 +1,8 @@
 // The grouped bias-gradient kernel (src/cuda/bias_grad.cu) called directly, against per-group fp32
 // sums from ATen: imbalanced and empty groups, skipped and shared targets, clamped splits, both
-// modes, every target type; and one group is bitwise the single-layer kernel. Needs a GPU (skipped
-// without one).
+// modes, every target type, groups finished in parallel (distinct targets) or in group order,
+// counters left zero for the next launch; and one group is bitwise the single-layer kernel. Needs
+// a GPU (skipped without one).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <gtest/gtest.h>
@@ -33,7 +34,8 @@ class GroupedBiasGrad : public ::testing::Test {
 
   // Runs the kernel on dy's rows split by `splits` into `targets` (an undefined tensor: null).
   static void run(const at::Tensor& dy, const std::vector<int64_t>& splits,
-                  const std::vector<at::Tensor>& targets, bool accumulate) {
+                  const std::vector<at::Tensor>& targets, bool accumulate,
+                  bool distinct_targets = false) {
     const auto device = dy.options();
     std::vector<int64_t> pointers;
     for (const at::Tensor& t : targets) {
@@ -52,6 +54,7 @@ class GroupedBiasGrad : public ::testing::Test {
       if (t.defined()) args.target_type = cuda_type(t.scalar_type());
     }
     args.accumulate = accumulate;
+    args.distinct_targets = distinct_targets;
     args.multiprocessors = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const at::Tensor workspace =
         at::empty({static_cast<int64_t>(splitgrad::cuda::grouped_bias_grad_workspace_bytes(
@@ -70,29 +73,30 @@ class GroupedBiasGrad : public ::testing::Test {
 };
 
 TEST_F(GroupedBiasGrad, ImbalancedEmptyAndSkippedGroupsAccumulateIntoFp32) {
-  for (const int64_t cols : {1536, 1000, 7}) {  // 16-byte loads, and the scalar tail
-    const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-    const at::Tensor dy = at::randn({5000, cols}, options);
-    const std::vector<int64_t> splits = {3, 0, 4000, 1, 0, 990, 6};
-    std::vector<at::Tensor> targets, start;
-    for (size_t g = 0; g < splits.size(); ++g) {
-      start.push_back(at::randn({cols}, options.dtype(at::kFloat)));
-      targets.push_back(start.back().clone());
-    }
-    targets[5] = at::Tensor();  // skipped
-    run(dy, splits, targets, /*accumulate=*/true);
-    int64_t offset = 0;
-    for (size_t g = 0; g < splits.size(); offset += splits[g], ++g) {
-      if (!targets[g].defined()) continue;
-      const at::Tensor want = start[g] + rows_sum(dy, offset, offset + splits[g]);
-      if (splits[g] == 0) {
-        EXPECT_TRUE(at::equal(targets[g], start[g])) << "group " << g << " has no rows";
-      } else {
-        EXPECT_TRUE(at::allclose(targets[g], want, 1e-4, 1e-3))
-            << "group " << g << " cols " << cols;
+  for (const bool distinct : {false, true})
+    for (const int64_t cols : {1536, 1000, 7}) {  // 16-byte loads, and the scalar tail
+      const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+      const at::Tensor dy = at::randn({5000, cols}, options);
+      const std::vector<int64_t> splits = {3, 0, 4000, 1, 0, 990, 6};
+      std::vector<at::Tensor> targets, start;
+      for (size_t g = 0; g < splits.size(); ++g) {
+        start.push_back(at::randn({cols}, options.dtype(at::kFloat)));
+        targets.push_back(start.back().clone());
+      }
+      targets[5] = at::Tensor();  // skipped
+      run(dy, splits, targets, /*accumulate=*/true, distinct);
+      int64_t offset = 0;
+      for (size_t g = 0; g < splits.size(); offset += splits[g], ++g) {
+        if (!targets[g].defined()) continue;
+        const at::Tensor want = start[g] + rows_sum(dy, offset, offset + splits[g]);
+        if (splits[g] == 0) {
+          EXPECT_TRUE(at::equal(targets[g], start[g])) << "group " << g << " has no rows";
+        } else {
+          EXPECT_TRUE(at::allclose(targets[g], want, 1e-4, 1e-3))
+              << "group " << g << " cols " << cols << " distinct " << distinct;
+        }
       }
     }
-  }
 }
 
 TEST_F(GroupedBiasGrad, DeterministicAndOneGroupIsTheSingleLayerKernelBitwise) {
@@ -101,6 +105,8 @@ TEST_F(GroupedBiasGrad, DeterministicAndOneGroupIsTheSingleLayerKernelBitwise) {
   const std::vector<int64_t> splits = {8192};
   at::Tensor grouped = at::zeros({2048}, dy.options().dtype(at::kFloat));
   run(dy, splits, {grouped}, /*accumulate=*/true);
+  at::Tensor grouped_distinct = at::zeros({2048}, dy.options().dtype(at::kFloat));
+  run(dy, splits, {grouped_distinct}, /*accumulate=*/true, /*distinct_targets=*/true);
 
   at::Tensor single = at::zeros({2048}, dy.options().dtype(at::kFloat));
   splitgrad::cuda::BiasGradArgs args;
@@ -115,7 +121,9 @@ TEST_F(GroupedBiasGrad, DeterministicAndOneGroupIsTheSingleLayerKernelBitwise) {
   args.workspace = workspace.data_ptr<float>();
   ASSERT_EQ(splitgrad::cuda::bias_grad(args, at::cuda::getCurrentCUDAStream()), cudaSuccess);
   EXPECT_TRUE(at::equal(grouped, single));
+  EXPECT_TRUE(at::equal(grouped_distinct, single));
 
+  // The same sums whichever block finishes a group.
   const std::vector<int64_t> imbalanced = {100, 7000, 0, 1092};
   std::vector<at::Tensor> first, second;
   for (int g = 0; g < 4; ++g) {
@@ -123,7 +131,7 @@ TEST_F(GroupedBiasGrad, DeterministicAndOneGroupIsTheSingleLayerKernelBitwise) {
     second.push_back(at::zeros({2048}, dy.options().dtype(at::kFloat)));
   }
   run(dy, imbalanced, first, /*accumulate=*/true);
-  run(dy, imbalanced, second, /*accumulate=*/true);
+  run(dy, imbalanced, second, /*accumulate=*/true, /*distinct_targets=*/true);
   for (int g = 0; g < 4; ++g) EXPECT_TRUE(at::equal(first[g], second[g])) << "group " << g;
 }
 
@@ -159,12 +167,17 @@ TEST_F(GroupedBiasGrad, LowPrecisionTargetsAreRoundedAsTheSingleLayerKernel) {
     const at::Tensor dy = at::randn({4096, 512}, at::TensorOptions().device(at::kCUDA).dtype(type));
     const std::vector<int64_t> splits = {1024, 0, 3072};
     // Overwrite: target = the fp32 sum rounded once; an empty group's target becomes zeros.
-    std::vector<at::Tensor> written;
-    for (int g = 0; g < 3; ++g) written.push_back(at::full({512}, 7.0, dy.options()));
+    std::vector<at::Tensor> written, written_distinct;
+    for (int g = 0; g < 3; ++g) {
+      written.push_back(at::full({512}, 7.0, dy.options()));
+      written_distinct.push_back(at::full({512}, 7.0, dy.options()));
+    }
     run(dy, splits, written, /*accumulate=*/false);
+    run(dy, splits, written_distinct, /*accumulate=*/false, /*distinct_targets=*/true);
     EXPECT_TRUE(at::allclose(written[0].to(at::kFloat), rows_sum(dy, 0, 1024), 1e-2, 1e-2));
     EXPECT_TRUE(at::equal(written[1], at::zeros({512}, dy.options())));
     EXPECT_TRUE(at::allclose(written[2].to(at::kFloat), rows_sum(dy, 1024, 4096), 1e-2, 1e-2));
+    for (int g = 0; g < 3; ++g) EXPECT_TRUE(at::equal(written_distinct[g], written[g])) << g;
     // Accumulate: the sum rounded to the target's type, then added (as `grad.add_(db)` would).
     const at::Tensor start = at::randn({512}, dy.options());
     std::vector<at::Tensor> added = {start.clone(), at::Tensor(), at::Tensor()};
@@ -195,6 +208,61 @@ TEST_F(GroupedBiasGrad, BadSplitsAreClampedNotReadOutOfBounds) {
   EXPECT_TRUE(at::equal(kept[0], at::ones({64}, dy.options())));
   run(none, {0}, kept, /*accumulate=*/false);
   EXPECT_TRUE(at::equal(kept[0], at::zeros({64}, dy.options())));
+}
+
+TEST_F(GroupedBiasGrad, GivenRowOffsetsTheCountersAreLeftZeroForTheNextLaunch) {
+  // As the grouped GEMM's argument kernel hands them over: row offsets already on the device and
+  // counters zeroed once; the kernel leaves them zero, so launches reusing them stay right.
+  const at::Tensor dy =
+      at::randn({6000, 1000}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
+  const std::vector<int64_t> splits = {0, 2500, 7, 0, 3400, 93, 0};
+  const auto groups = static_cast<int64_t>(splits.size());
+  const at::Tensor splits_device = at::tensor(splits, at::kLong).to(dy.device());
+  const at::Tensor offsets =
+      at::cat({at::zeros({1}, splits_device.options()), splits_device.cumsum(0)});
+  const int64_t counter_count = splitgrad::cuda::grouped_bias_grad_tile_counters(1000, groups);
+  ASSERT_EQ(counter_count, 4 * (1 + groups));  // 4 tiles of 256 columns
+  const at::Tensor counters = at::zeros({counter_count}, splits_device.options().dtype(at::kInt));
+  const int multiprocessors = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const at::Tensor workspace =
+      at::empty({static_cast<int64_t>(splitgrad::cuda::grouped_bias_grad_workspace_bytes(
+                    6000, 1000, groups, multiprocessors))},
+                dy.options().dtype(at::kByte));
+  for (const bool distinct : {true, false, true}) {
+    for (const bool accumulate : {true, false}) {
+      std::vector<at::Tensor> targets;
+      std::vector<int64_t> pointers;
+      for (int64_t g = 0; g < groups; ++g) {
+        targets.push_back(at::full({1000}, 3.0, dy.options().dtype(at::kFloat)));
+        pointers.push_back(reinterpret_cast<int64_t>(targets.back().data_ptr()));
+      }
+      const at::Tensor targets_device = at::tensor(pointers, at::kLong).to(dy.device());
+      GroupedBiasGradArgs args;
+      args.dy = dy.data_ptr(), args.dy_type = CUDA_R_16BF;
+      args.rows = 6000, args.cols = 1000, args.ld = 1000;
+      args.splits = splits_device.data_ptr<int64_t>();
+      args.row_offsets = offsets.data_ptr<int64_t>();
+      args.tile_counters = reinterpret_cast<unsigned*>(counters.data_ptr<int>());
+      args.groups = groups;
+      args.targets = reinterpret_cast<void* const*>(targets_device.data_ptr<int64_t>());
+      args.target_type = CUDA_R_32F;
+      args.accumulate = accumulate;
+      args.distinct_targets = distinct;
+      args.multiprocessors = multiprocessors;
+      args.workspace = workspace.data_ptr();
+      ASSERT_EQ(splitgrad::cuda::grouped_bias_grad(args, at::cuda::getCurrentCUDAStream()),
+                cudaSuccess);
+      int64_t offset = 0;
+      for (int64_t g = 0; g < groups; offset += splits[g], ++g) {
+        const at::Tensor sum = rows_sum(dy, offset, offset + splits[g]);
+        const at::Tensor want = accumulate ? sum + 3.0 : sum;
+        EXPECT_TRUE(at::allclose(targets[g], want, 1e-4, 1e-3))
+            << "group " << g << " distinct " << distinct << " accumulate " << accumulate;
+      }
+      EXPECT_EQ(counters.count_nonzero().item<int64_t>(), 0)
+          << "distinct " << distinct << " accumulate " << accumulate;
+    }
+  }
 }
 
 // Checked before any launch: runs without a GPU too.
