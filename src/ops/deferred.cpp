@@ -413,37 +413,43 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     // them), so that its .grad gets one add, as AccumulateGrad gets the pass's sum:
     // old + (v1 + v3). Then .grads already there get their sums with add_'s arithmetic, those
     // that cannot fail in one multi-tensor add (one launch, not one per parameter).
-    struct Contribution {
-      const c10::TensorImpl* key;
-      const at::Tensor* param;
-      at::Tensor value;
-    };
-    std::vector<Contribution> contributions;
-    contributions.reserve(2 * groups);
+    std::vector<const at::Tensor*> params_to_grad;
+    std::vector<at::Tensor> sums;
+    params_to_grad.reserve(2 * groups);
+    sums.reserve(2 * groups);
     for (size_t i = groups; i-- > 0;) {
       if (weight_to_grad[i]) {
-        contributions.push_back(
-            {sinks[i].weight.unsafeGetTensorImpl(), &sinks[i].weight, fresh_weight[i]});
+        params_to_grad.push_back(&sinks[i].weight);
+        sums.push_back(std::move(fresh_weight[i]));
       }
       if (bias_value[i]) {
-        contributions.push_back(
-            {sinks[i].bias.unsafeGetTensorImpl(), &sinks[i].bias, fresh_bias[i]});
+        params_to_grad.push_back(&sinks[i].bias);
+        sums.push_back(std::move(fresh_bias[i]));
       }
     }
-    // Sorted by parameter, each parameter's values kept in the order above (a stable sort), then
-    // summed: a sorted vector costs less host time than a hash map for a few dozen experts.
-    std::stable_sort(contributions.begin(), contributions.end(),
-                     [](const Contribution& a, const Contribution& b) { return a.key < b.key; });
-    std::vector<at::Tensor> params_to_grad, sums;
-    params_to_grad.reserve(contributions.size());
-    sums.reserve(contributions.size());
-    for (size_t c = 0; c < contributions.size(); ++c) {
-      if (c > 0 && contributions[c].key == contributions[c - 1].key) {
-        sums.back() = sums.back() + contributions[c].value;
-      } else {
-        params_to_grad.push_back(*contributions[c].param);
-        sums.push_back(std::move(contributions[c].value));
+    // Tied experts, from the parameters sorted with their positions (plain pairs: sorting the
+    // tensors, or a hash map, costs more host time for a few dozen experts).
+    std::vector<std::pair<const c10::TensorImpl*, size_t>> order;
+    order.reserve(params_to_grad.size());
+    for (size_t p = 0; p < params_to_grad.size(); ++p) {
+      order.emplace_back(params_to_grad[p]->unsafeGetTensorImpl(), p);
+    }
+    std::sort(order.begin(), order.end());
+    const auto same_param = [](const auto& a, const auto& b) { return a.first == b.first; };
+    if (std::adjacent_find(order.begin(), order.end(), same_param) != order.end()) {
+      std::vector<const at::Tensor*> tied_params;
+      std::vector<at::Tensor> tied_sums;
+      for (size_t k = 0; k < order.size(); ++k) {
+        const size_t p = order[k].second;
+        if (k > 0 && order[k].first == order[k - 1].first) {
+          tied_sums.back() = tied_sums.back() + sums[p];
+        } else {
+          tied_params.push_back(params_to_grad[p]);
+          tied_sums.push_back(std::move(sums[p]));
+        }
       }
+      params_to_grad = std::move(tied_params);
+      sums = std::move(tied_sums);
     }
     // Three kinds, in this order, so that an add that fails (an inference-tensor or expanded
     // .grad) comes before anything is written: .grads the multi-tensor add might fail on (or
@@ -451,20 +457,23 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     // then the rest in one multi-tensor add.
     std::vector<at::Tensor> grads, values;
     std::vector<size_t> fresh;
+    grads.reserve(params_to_grad.size());
+    values.reserve(params_to_grad.size());
+    fresh.reserve(params_to_grad.size());
     for (size_t p = 0; p < params_to_grad.size(); ++p) {
-      const at::Tensor& grad = params_to_grad[p].mutable_grad();
+      const at::Tensor& grad = params_to_grad[p]->mutable_grad();
       if (!grad.defined()) {
         fresh.push_back(p);
       } else if (grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
                  !grad.is_inference() && grad.scalar_type() == sums[p].scalar_type() &&
                  grad.device() == sums[p].device()) {
         grads.push_back(grad);
-        values.push_back(sums[p]);
+        values.push_back(std::move(sums[p]));
       } else {
-        add_to_grad(params_to_grad[p], sums[p]);
+        add_to_grad(*params_to_grad[p], std::move(sums[p]));
       }
     }
-    for (const size_t p : fresh) add_to_grad(params_to_grad[p], sums[p]);
+    for (const size_t p : fresh) add_to_grad(*params_to_grad[p], std::move(sums[p]));
     // One launch writes every .grad at once: two .grads sharing memory (one tensor set as the
     // .grad of two parameters) would race there, so those go one at a time.
     if (shares_memory(grads)) {
