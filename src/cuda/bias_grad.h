@@ -66,7 +66,8 @@ struct GroupedBiasGradArgs {
   unsigned* tile_counters = nullptr;
   int64_t groups = 0;
   /// Device array of `groups` pointers to [cols] contiguous targets of `target_type`; a null entry
-  /// skips its group. Groups sharing a target (tied experts) reach it in group order.
+  /// skips its group. Groups sharing a target (tied experts) reach it in group order (with
+  /// `distinct_targets` false, which they need).
   void* const* targets = nullptr;
   cudaDataType_t target_type = CUDA_R_32F;
   /// `target += Σ dy[group's rows]` (a group without rows adds nothing), or `target = Σ ...`

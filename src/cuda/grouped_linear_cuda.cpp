@@ -479,7 +479,9 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
     // Biases of tied experts share a target: their groups are then finished in group order.
     const size_t bias_bytes_each = static_cast<size_t>(dy.size(1)) *
                                    (bias_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
-    const bool distinct_biases = overwrite || !any_targets_overlap(bias_targets, bias_bytes_each);
+    const bool distinct_biases = !any_targets_overlap(bias_targets, bias_bytes_each);
+    TORCH_INTERNAL_ASSERT(!overwrite || distinct_biases,
+                          "grouped wgrad: overwritten bias targets must not overlap");
     add_group_bias_grads(who, dy, table.splits, bias_pointers, bias_type,
                          base + gemm_bytes + offsets_bytes, offsets_written ? row_offsets : nullptr,
                          offsets_written ? counters : nullptr, overwrite, distinct_biases);

@@ -428,7 +428,9 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
       }
     }
     // Tied experts, from the parameters sorted with their positions (plain pairs: sorting the
-    // tensors, or a hash map, costs more host time for a few dozen experts).
+    // tensors, or a hash map, costs more host time for a few dozen experts): each tied
+    // parameter's values are summed into its first position, in position order, and the later
+    // positions dropped, so the parameters keep the order above.
     std::vector<std::pair<const c10::TensorImpl*, size_t>> order;
     order.reserve(params_to_grad.size());
     for (size_t p = 0; p < params_to_grad.size(); ++p) {
@@ -437,19 +439,26 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     std::sort(order.begin(), order.end());
     const auto same_param = [](const auto& a, const auto& b) { return a.first == b.first; };
     if (std::adjacent_find(order.begin(), order.end(), same_param) != order.end()) {
-      std::vector<const at::Tensor*> tied_params;
-      std::vector<at::Tensor> tied_sums;
+      std::vector<char> merged(params_to_grad.size(), 0);
+      size_t first = 0;  // the current parameter's first position
       for (size_t k = 0; k < order.size(); ++k) {
         const size_t p = order[k].second;
-        if (k > 0 && order[k].first == order[k - 1].first) {
-          tied_sums.back() = tied_sums.back() + sums[p];
+        if (k == 0 || order[k].first != order[k - 1].first) {
+          first = p;
         } else {
-          tied_params.push_back(params_to_grad[p]);
-          tied_sums.push_back(std::move(sums[p]));
+          sums[first] = sums[first] + sums[p];
+          merged[p] = 1;
         }
       }
-      params_to_grad = std::move(tied_params);
-      sums = std::move(tied_sums);
+      size_t kept = 0;
+      for (size_t p = 0; p < params_to_grad.size(); ++p) {
+        if (merged[p]) continue;
+        params_to_grad[kept] = params_to_grad[p];
+        sums[kept] = std::move(sums[p]);
+        ++kept;
+      }
+      params_to_grad.resize(kept);
+      sums.resize(kept);
     }
     // Three kinds, in this order, so that an add that fails (an inference-tensor or expanded
     // .grad) comes before anything is written: .grads the multi-tensor add might fail on (or

@@ -66,6 +66,9 @@ class GroupedBiasGrad : public ::testing::Test {
     ASSERT_EQ(cudaStreamSynchronize(at::cuda::getCurrentCUDAStream()), cudaSuccess);
   }
 
+  // The body of BadSplitsAreClampedNotReadOutOfBounds, for one mode.
+  void bad_splits_are_clamped(bool distinct);
+
   // Σ of dy's rows [begin, end) in fp64, as fp32.
   static at::Tensor rows_sum(const at::Tensor& dy, int64_t begin, int64_t end) {
     return dy.narrow(0, begin, end - begin).to(at::kDouble).sum(0).to(at::kFloat);
@@ -186,27 +189,57 @@ TEST_F(GroupedBiasGrad, LowPrecisionTargetsAreRoundedAsTheSingleLayerKernel) {
   }
 }
 
+TEST_F(GroupedBiasGrad, DistinctTargetsOfManyGroupsCrowdedIntoOneChunk) {
+  // 700 groups, most of them empty and ~640 within the first chunk of rows: a block counts and
+  // finishes its groups in rounds of 256; empty groups are zeroed (overwrite) or kept.
+  const at::Tensor dy =
+      at::randn({2000, 300}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
+  std::vector<int64_t> splits(700, 0);
+  for (size_t g = 0; g < splits.size(); g += 10) splits[g] = 1;  // 70 rows in 70 groups
+  splits[699] = 2000 - 70;
+  for (const bool accumulate : {true, false}) {
+    std::vector<at::Tensor> targets;
+    for (int g = 0; g < 700; ++g) targets.push_back(at::full({300}, 2.0, dy.options()));
+    targets[350] = at::Tensor();  // skipped
+    run(dy, splits, targets, accumulate, /*distinct_targets=*/true);
+    int64_t offset = 0;
+    for (size_t g = 0; g < splits.size(); offset += splits[g], ++g) {
+      if (!targets[g].defined()) continue;
+      const at::Tensor sum = rows_sum(dy, offset, offset + splits[g]);
+      EXPECT_TRUE(at::allclose(targets[g], accumulate ? sum + 2.0 : sum, 1e-4, 1e-3))
+          << "group " << g << " accumulate " << accumulate;
+    }
+  }
+}
+
 TEST_F(GroupedBiasGrad, BadSplitsAreClampedNotReadOutOfBounds) {
+  for (const bool distinct : {false, true}) {
+    SCOPED_TRACE(distinct ? "distinct targets" : "targets finished in group order");
+    bad_splits_are_clamped(distinct);
+  }
+}
+
+void GroupedBiasGrad::bad_splits_are_clamped(bool distinct) {
   const at::Tensor dy =
       at::randn({1000, 64}, at::TensorOptions().device(at::kCUDA).dtype(at::kFloat));
   std::vector<at::Tensor> targets;
   for (int g = 0; g < 4; ++g) targets.push_back(at::zeros({64}, dy.options()));
   // A negative split counts as 0; a split past the end is cut at the last row.
-  run(dy, {-5, 400, 100000, 30}, targets, /*accumulate=*/true);
+  run(dy, {-5, 400, 100000, 30}, targets, /*accumulate=*/true, distinct);
   EXPECT_TRUE(at::equal(targets[0], at::zeros({64}, dy.options())));
   EXPECT_TRUE(at::allclose(targets[1], rows_sum(dy, 0, 400), 1e-4, 1e-3));
   EXPECT_TRUE(at::allclose(targets[2], rows_sum(dy, 400, 1000), 1e-4, 1e-3));
   EXPECT_TRUE(at::equal(targets[3], at::zeros({64}, dy.options())));
   // Splits summing to fewer rows: the rest belongs to no group.
   std::vector<at::Tensor> short_targets = {at::zeros({64}, dy.options())};
-  run(dy, {250}, short_targets, /*accumulate=*/true);
+  run(dy, {250}, short_targets, /*accumulate=*/true, distinct);
   EXPECT_TRUE(at::allclose(short_targets[0], rows_sum(dy, 0, 250), 1e-4, 1e-3));
   // No rows at all: accumulate adds nothing, overwrite writes zeros.
   const at::Tensor none = dy.narrow(0, 0, 0);
   std::vector<at::Tensor> kept = {at::ones({64}, dy.options())};
-  run(none, {0}, kept, /*accumulate=*/true);
+  run(none, {0}, kept, /*accumulate=*/true, distinct);
   EXPECT_TRUE(at::equal(kept[0], at::ones({64}, dy.options())));
-  run(none, {0}, kept, /*accumulate=*/false);
+  run(none, {0}, kept, /*accumulate=*/false, distinct);
   EXPECT_TRUE(at::equal(kept[0], at::zeros({64}, dy.options())));
 }
 
