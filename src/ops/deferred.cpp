@@ -167,16 +167,20 @@ void add_to_grad(const at::Tensor& param, at::Tensor value) {
   grad.add_(value);
 }
 
+// The bytes a non-empty strided tensor spans in memory: [first byte, last byte + 1).
+std::pair<uintptr_t, uintptr_t> byte_span(const at::Tensor& t) {
+  int64_t last = 0;  // the last element's offset from the first, in elements
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
 // Whether any two of `tensors` overlap in memory (byte ranges of their storages' spans).
 bool shares_memory(const std::vector<at::Tensor>& tensors) {
-  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [first byte, last byte + 1)
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
   spans.reserve(tensors.size());
   for (const at::Tensor& t : tensors) {
-    if (t.numel() == 0) continue;
-    int64_t last = 0;  // the last element's offset from the first, in elements
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
-    spans.emplace_back(first, first + static_cast<uintptr_t>((last + 1) * t.element_size()));
+    if (t.numel() > 0) spans.push_back(byte_span(t));
   }
   std::sort(spans.begin(), spans.end());
   for (size_t i = 1; i < spans.size(); ++i) {
@@ -342,23 +346,36 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
     }
     // Where the weights' fresh gradients are made anyway, a bias whose gradient goes to its .grad
     // comes from the same op and is added with them (one op, not a second one in place).
-    // Otherwise a .grad of the gradient's dtype takes the bias kernel in place, unless the bias
-    // is tied across experts: its groups' values are summed before its .grad is added to (below).
-    // (The tied ones from a sorted vector: a hash map's nodes cost more host time for a few dozen
-    // experts.)
-    std::vector<const c10::TensorImpl*> biases;
+    // Otherwise a .grad of the gradient's dtype takes the bias kernel in place, unless its memory
+    // is another group's bias .grad too (a bias tied across experts, or one tensor set as the
+    // .grad of two biases): those get their values summed, or added one by one, in reverse group
+    // order as autograd does (below), not in the kernel's group order.
+    std::vector<char> bias_grad_shared(groups, 0);
     if (!any_weight_to_grad) {
-      for (const auto& sink : sinks) {
-        if (sink.bias.defined() && !sink.bias_main_grad.defined()) {
-          biases.push_back(sink.bias.unsafeGetTensorImpl());
-        }
+      struct Span {
+        uintptr_t begin, end;
+        size_t group;
+      };
+      std::vector<Span> spans;
+      for (size_t i = 0; i < groups; ++i) {
+        if (!sinks[i].bias.defined() || sinks[i].bias_main_grad.defined()) continue;
+        const at::Tensor& grad = sinks[i].bias.grad();
+        if (!grad.defined() || grad.layout() != at::kStrided || grad.numel() == 0) continue;
+        const auto [begin, end] = byte_span(grad);
+        spans.push_back({begin, end, i});
       }
-      std::sort(biases.begin(), biases.end());
+      std::sort(spans.begin(), spans.end(),
+                [](const Span& a, const Span& b) { return a.begin < b.begin; });
+      // A sweep: each span that starts before the furthest end so far overlaps the span that
+      // reaches it, and both are marked.
+      for (size_t k = 1, furthest = 0; k < spans.size(); ++k) {
+        if (spans[k].begin < spans[furthest].end) {
+          bias_grad_shared[spans[k].group] = 1;
+          bias_grad_shared[spans[furthest].group] = 1;
+        }
+        if (spans[k].end > spans[furthest].end) furthest = k;
+      }
     }
-    const auto tied_bias = [&biases](const at::Tensor& bias) {
-      const auto range = std::equal_range(biases.begin(), biases.end(), bias.unsafeGetTensorImpl());
-      return range.second - range.first > 1;
-    };
     c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
     weight_targets.reserve(groups);
     bias_targets.reserve(groups);
@@ -372,7 +389,7 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
           sink.bias.defined() &&
           (sink.bias_main_grad.defined() ||
            (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-            bias_grad.scalar_type() == grad_output.scalar_type() && !tied_bias(sink.bias)));
+            bias_grad.scalar_type() == grad_output.scalar_type() && !bias_grad_shared[i]));
       bias_value[i] = sink.bias.defined() && !bias_in_place[i];
       any_bias_value |= static_cast<bool>(bias_value[i]);
       weight_targets.push_back(sink.weight.defined() && !weight_to_grad[i]

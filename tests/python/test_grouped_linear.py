@@ -304,6 +304,34 @@ def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device):
         torch.testing.assert_close(layer.weight1.grad, reference.weight1.grad, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_grad_tensor_shared_by_two_experts_biases_gets_both_values_in_autograd_order(device):
+    """Frozen expert weights, trainable biases (no weight gradient: the bias kernel would add to
+    the .grads in place), and one tensor set as the .grad of two experts' biases: it gets both
+    values in the order per-expert autograd adds them (the later expert's first), not the
+    kernel's group order; on the CPU bit for bit as per-expert autograd leaves it."""
+    layer = _layer(device=device, n=3, delay_wgrad_compute=True)
+    for weight in layer.weights:
+        weight.requires_grad_(False)
+    reference = to_reference(layer)
+    assert not reference.weight0.requires_grad
+    start = torch.randn(OUT, device=device)
+    shared, shared_reference = start.clone(), start.clone()
+    layer.bias0.grad = layer.bias2.grad = shared
+    reference.bias0.grad = reference.bias2.grad = shared_reference
+    splits = [4, 1, 3]
+    x, gy = _data(splits, device=device)
+    layer(x, splits).backward(gy)
+    reference(x, splits).backward(gy)
+    layer.backward_dw()
+    assert layer.bias0.grad is shared and layer.bias2.grad is shared
+    _, values = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), True)
+    torch.testing.assert_close(shared, start + values[2] + values[0], rtol=0, atol=0)
+    if device == "cpu":
+        torch.testing.assert_close(shared, shared_reference, rtol=0, atol=0)
+        torch.testing.assert_close(layer.bias1.grad, reference.bias1.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
 @pytest.mark.parametrize("grouped_delay", [False, True], ids=["grouped-regular", "grouped-delayed"])
 def test_expert_tied_to_another_layer(linear_delay, grouped_delay):
