@@ -281,55 +281,36 @@ def test_an_unwritable_grad_among_kept_grads_writes_nothing(bad, how):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device):
-    """A tensor set as the .grad of two experts' weights gets both values, each with add_ (not
-    one lost to a race in a multi-tensor add); on the CPU bit for bit as per-expert autograd
-    leaves it (the later expert's first, as autograd's backward reaches it)."""
-    layer = _layer(device=device, n=3, delay_wgrad_compute=True, bias=False)
+@pytest.mark.parametrize("kind", ["weight", "bias"])
+def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device, kind):
+    """A tensor set as the .grad of two experts' weights (or biases) gets both values, each with
+    add_ (not one lost to a race in a multi-tensor add), in the order per-expert autograd adds
+    them (the later expert's first); on the CPU bit for bit as per-expert autograd leaves it.
+    The biases' case has frozen weights: with no weight gradient to make, the bias kernel would
+    add to the .grads in place, in its own group order."""
+    layer = _layer(device=device, n=3, delay_wgrad_compute=True, bias=kind == "bias")
+    if kind == "bias":
+        for weight in layer.weights:
+            weight.requires_grad_(False)
     reference = to_reference(layer)
-    start = torch.randn(OUT, IN, device=device)
+    params, reference_params = dict(layer.named_parameters()), dict(reference.named_parameters())
+    start = torch.randn(params[f"{kind}0"].shape, device=device)
     shared, shared_reference = start.clone(), start.clone()
-    layer.weight0.grad = layer.weight2.grad = shared
-    reference.weight0.grad = reference.weight2.grad = shared_reference
+    params[f"{kind}0"].grad = params[f"{kind}2"].grad = shared
+    reference_params[f"{kind}0"].grad = reference_params[f"{kind}2"].grad = shared_reference
     splits = [4, 1, 3]
     x, gy = _data(splits, device=device)
     layer(x, splits).backward(gy)
     reference(x, splits).backward(gy)
     layer.backward_dw()
-    assert layer.weight0.grad is shared and layer.weight2.grad is shared
-    values, _ = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), False)
+    assert params[f"{kind}0"].grad is shared and params[f"{kind}2"].grad is shared
+    weights, biases = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), kind == "bias")
+    values = weights if kind == "weight" else biases
     torch.testing.assert_close(shared, start + values[2] + values[0], rtol=0, atol=0)
     if device == "cpu":
         torch.testing.assert_close(shared, shared_reference, rtol=0, atol=0)
-        torch.testing.assert_close(layer.weight1.grad, reference.weight1.grad, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_one_grad_tensor_shared_by_two_experts_biases_gets_both_values_in_autograd_order(device):
-    """Frozen expert weights, trainable biases (no weight gradient: the bias kernel would add to
-    the .grads in place), and one tensor set as the .grad of two experts' biases: it gets both
-    values in the order per-expert autograd adds them (the later expert's first), not the
-    kernel's group order; on the CPU bit for bit as per-expert autograd leaves it."""
-    layer = _layer(device=device, n=3, delay_wgrad_compute=True)
-    for weight in layer.weights:
-        weight.requires_grad_(False)
-    reference = to_reference(layer)
-    assert not reference.weight0.requires_grad
-    start = torch.randn(OUT, device=device)
-    shared, shared_reference = start.clone(), start.clone()
-    layer.bias0.grad = layer.bias2.grad = shared
-    reference.bias0.grad = reference.bias2.grad = shared_reference
-    splits = [4, 1, 3]
-    x, gy = _data(splits, device=device)
-    layer(x, splits).backward(gy)
-    reference(x, splits).backward(gy)
-    layer.backward_dw()
-    assert layer.bias0.grad is shared and layer.bias2.grad is shared
-    _, values = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), True)
-    torch.testing.assert_close(shared, start + values[2] + values[0], rtol=0, atol=0)
-    if device == "cpu":
-        torch.testing.assert_close(shared, shared_reference, rtol=0, atol=0)
-        torch.testing.assert_close(layer.bias1.grad, reference.bias1.grad, rtol=0, atol=0)
+        torch.testing.assert_close(params[f"{kind}1"].grad, reference_params[f"{kind}1"].grad,
+                                   rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
