@@ -53,6 +53,11 @@ bool grouped_kernels_take(std::initializer_list<std::reference_wrapper<const at:
 
 size_t aligned256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+// Bytes per element of a gradient target of the grouped kernels (fp32 or bf16).
+size_t target_element_bytes(cudaDataType_t type) {
+  return type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t);
+}
+
 // Room on the device for `words` 8-byte words, as an int64 tensor, and `extra_bytes` more after
 // them, from a 256-byte boundary: a launch's workspace in the same allocation (host time).
 at::Tensor table_space(size_t words, const at::Tensor& like, size_t extra_bytes = 0) {
@@ -421,8 +426,8 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
                         cudaDataType_t target_type, const std::vector<const void*>& bias_targets,
                         cudaDataType_t bias_type, bool overwrite = false) {
   const int64_t groups = m_splits.numel();
-  const size_t target_bytes = static_cast<size_t>(dy.size(1) * x.size(1)) *
-                              (target_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
+  const size_t target_bytes =
+      static_cast<size_t>(dy.size(1) * x.size(1)) * target_element_bytes(target_type);
   const auto weight_rounds = rounds_of(targets, target_bytes);
   TORCH_INTERNAL_ASSERT(!overwrite || weight_rounds.size() <= 1,
                         "grouped wgrad: overwritten targets must not overlap");
@@ -477,9 +482,8 @@ bool accumulate_grouped(detail::Who who, const at::Tensor& dy, const at::Tensor&
     void* const* bias_pointers =
         table.pointers + weight_rounds.size() * static_cast<size_t>(groups);
     // Biases of tied experts share a target: their groups are then finished in group order.
-    const size_t bias_bytes_each = static_cast<size_t>(dy.size(1)) *
-                                   (bias_type == CUDA_R_32F ? sizeof(float) : sizeof(uint16_t));
-    const bool distinct_biases = !any_targets_overlap(bias_targets, bias_bytes_each);
+    const bool distinct_biases = !any_targets_overlap(
+        bias_targets, static_cast<size_t>(dy.size(1)) * target_element_bytes(bias_type));
     TORCH_INTERNAL_ASSERT(!overwrite || distinct_biases,
                           "grouped wgrad: overwritten bias targets must not overlap");
     add_group_bias_grads(who, dy, table.splits, bias_pointers, bias_type,
