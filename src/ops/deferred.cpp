@@ -97,51 +97,46 @@ MainGradCallback& main_grad_callback() {
   return *state;
 }
 
-// Serialises the writes to one parameter's gradient: two threads' deferred work (or one's
-// backward_dw and another's fused backward) may feed the same parameter. Striped by address.
-class GradWriteLocks {
- public:
-  explicit GradWriteLocks(std::initializer_list<const at::Tensor*> params)
-      : GradWriteLocks(std::vector<const at::Tensor*>(params)) {}
-  explicit GradWriteLocks(const std::vector<const at::Tensor*>& params) {
-    uint64_t stripes = 0;  // bit s: stripe s is needed
-    for (const at::Tensor* p : params) {
-      if (p->defined()) {
-        // TensorImpls are 16-byte aligned: the address's low bits would reach 4 stripes only.
-        const auto address = reinterpret_cast<uintptr_t>(p->unsafeGetTensorImpl());
-        stripes |= uint64_t{1} << ((address >> 4) % kStripes);
-      }
-    }
-    for (size_t s = 0; s < kStripes; ++s) {  // in stripe order, one global order: no deadlock
-      if (((stripes >> s) & 1) == 0) continue;
-      try {
-        mutexes()[s].lock();
-      } catch (...) {
-        unlock();
-        throw;
-      }
-      held_ |= uint64_t{1} << s;
-    }
-  }
-  ~GradWriteLocks() { unlock(); }
-  GradWriteLocks(const GradWriteLocks&) = delete;
-  GradWriteLocks& operator=(const GradWriteLocks&) = delete;
+// The gradient write locks: 64 stripes, one per bit of GradWriteLocks::held_.
+constexpr size_t kGradLockStripes = 64;
+std::array<std::mutex, kGradLockStripes>& grad_lock_stripes() {
+  static auto* m = new std::array<std::mutex, kGradLockStripes>();
+  return *m;
+}
+}  // namespace
 
- private:
-  static constexpr size_t kStripes = 64;  // the bits of a uint64_t
-  static std::array<std::mutex, kStripes>& mutexes() {
-    static auto* m = new std::array<std::mutex, kStripes>();
-    return *m;
-  }
-  void unlock() {
-    for (size_t s = 0; s < kStripes; ++s) {
-      if ((held_ >> s) & 1) mutexes()[s].unlock();
+GradWriteLocks::GradWriteLocks(const std::vector<WgradSinks>& sinks) {
+  uint64_t stripes = 0;  // bit s: stripe s is needed
+  for (const WgradSinks& sink : sinks) {
+    for (const at::Tensor* param : {&sink.weight, &sink.bias}) {
+      if (!param->defined()) continue;
+      // TensorImpls are 16-byte aligned: the address's low bits would reach 4 stripes only.
+      const auto address = reinterpret_cast<uintptr_t>(param->unsafeGetTensorImpl());
+      stripes |= uint64_t{1} << ((address >> 4) % kGradLockStripes);
     }
-    held_ = 0;
   }
-  uint64_t held_ = 0;  // bit s: stripe s is locked by this object
-};
+  for (size_t s = 0; s < kGradLockStripes; ++s) {  // in stripe order, one global order
+    if (((stripes >> s) & 1) == 0) continue;
+    try {
+      grad_lock_stripes()[s].lock();
+    } catch (...) {
+      unlock();
+      throw;
+    }
+    held_ |= uint64_t{1} << s;
+  }
+}
 
+GradWriteLocks::~GradWriteLocks() { unlock(); }
+
+void GradWriteLocks::unlock() {
+  for (size_t s = 0; s < kGradLockStripes; ++s) {
+    if ((held_ >> s) & 1) grad_lock_stripes()[s].unlock();
+  }
+  held_ = 0;
+}
+
+namespace {
 // The dtype autograd gives `param`'s .grad: its grad_dtype (a bf16 parameter may keep fp32
 // gradients), else its own; nullopt where any dtype is allowed.
 std::optional<at::ScalarType> grad_dtype_of(const at::Tensor& param) {
@@ -207,8 +202,13 @@ std::function<void(const at::Tensor&)> main_grad_accumulated_callback() {
 }
 }  // namespace
 
-void notify_main_grad_accumulated(const at::Tensor& param) {
-  if (const auto callback = main_grad_accumulated_callback()) callback(param);
+void notify_main_grads_accumulated(const std::vector<WgradSinks>& sinks) {
+  const auto callback = main_grad_accumulated_callback();  // read once for all sinks
+  if (!callback) return;
+  for (const WgradSinks& sink : sinks) {
+    if (sink.weight.defined() && sink.weight_main_grad.defined()) callback(sink.weight);
+    if (sink.bias.defined() && sink.bias_main_grad.defined()) callback(sink.bias);
+  }
 }
 
 namespace {
@@ -277,242 +277,220 @@ ReferenceBatch::ReferenceBatch() {
 }
 
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
-                      const WgradSinks& sinks) {
+                      const WgradSinks& sinks, const GradWriteLocks& /*locked*/) {
   // A .grad made here must outlive inference mode; InferenceMode(false) also turns grad mode on,
   // so the NoGradGuard comes after it.
   c10::InferenceMode not_inference(false);
   at::NoGradGuard no_grad;
-  {
-    GradWriteLocks locks{&sinks.weight, &sinks.bias};
-    // A .grad gets autograd's own arithmetic: the gradient is computed on its own (rounded to the
-    // inputs' dtype) and then stored or added, as AccumulateGrad does, so the deferred path is
-    // bit-identical to the immediate one. The exception, in place with the same rounding: a bias
-    // .grad of the inputs' dtype (the bias kernel rounds the sum before adding, as add_ does).
-    // A main_grad is accumulated in place: dW inside the GEMM in fp32 (beta = 1, no temporary).
-    const bool weight_to_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
-    const at::Tensor bias_grad = sinks.bias.defined() ? sinks.bias.grad() : at::Tensor();
-    const bool bias_in_place =
-        sinks.bias.defined() && (sinks.bias_main_grad.defined() ||
-                                 (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-                                  bias_grad.scalar_type() == grad_output.scalar_type()));
-    const bool bias_value = sinks.bias.defined() && !bias_in_place;
-    if (weight_to_grad) {
-      auto [weight_grad, db] = ops::linear_wgrad(grad_output, input, bias_value);
-      add_to_grad(sinks.weight, weight_grad);
-      if (bias_value) add_to_grad(sinks.bias, db);
-    } else if (bias_value) {  // the bias kernel's sum on its own: 0 + round(Σ dy) = round(Σ dy)
-      at::Tensor db = at::zeros({sinks.bias.size(0)}, grad_output.options());
-      ops::linear_wgrad_accumulate_(grad_output, input, std::nullopt, db);
-      add_to_grad(sinks.bias, db);
-    }
-    const at::Tensor weight_sink =
-        sinks.weight.defined() && !weight_to_grad ? sinks.weight_main_grad : at::Tensor();
-    const at::Tensor bias_sink = !bias_in_place                   ? at::Tensor()
-                                 : sinks.bias_main_grad.defined() ? sinks.bias_main_grad
-                                                                  : bias_grad;
-    if (weight_sink.defined() || bias_sink.defined()) {
-      ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
-                                    optional_if_defined(bias_sink));
-    }
+  // A .grad gets autograd's own arithmetic: the gradient is computed on its own (rounded to the
+  // inputs' dtype) and then stored or added, as AccumulateGrad does, so the deferred path is
+  // bit-identical to the immediate one. The exception, in place with the same rounding: a bias
+  // .grad of the inputs' dtype (the bias kernel rounds the sum before adding, as add_ does).
+  // A main_grad is accumulated in place: dW inside the GEMM in fp32 (beta = 1, no temporary).
+  const bool weight_to_grad = sinks.weight.defined() && !sinks.weight_main_grad.defined();
+  const at::Tensor bias_grad = sinks.bias.defined() ? sinks.bias.grad() : at::Tensor();
+  const bool bias_in_place =
+      sinks.bias.defined() && (sinks.bias_main_grad.defined() ||
+                               (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+                                bias_grad.scalar_type() == grad_output.scalar_type()));
+  const bool bias_value = sinks.bias.defined() && !bias_in_place;
+  if (weight_to_grad) {
+    auto [weight_grad, db] = ops::linear_wgrad(grad_output, input, bias_value);
+    add_to_grad(sinks.weight, weight_grad);
+    if (bias_value) add_to_grad(sinks.bias, db);
+  } else if (bias_value) {  // the bias kernel's sum on its own: 0 + round(Σ dy) = round(Σ dy)
+    at::Tensor db = at::zeros({sinks.bias.size(0)}, grad_output.options());
+    ops::linear_wgrad_accumulate_(grad_output, input, std::nullopt, db);
+    add_to_grad(sinks.bias, db);
   }
-  if (sinks.weight.defined() && sinks.weight_main_grad.defined()) {
-    notify_main_grad_accumulated(sinks.weight);
+  const at::Tensor weight_sink =
+      sinks.weight.defined() && !weight_to_grad ? sinks.weight_main_grad : at::Tensor();
+  const at::Tensor bias_sink = !bias_in_place                   ? at::Tensor()
+                               : sinks.bias_main_grad.defined() ? sinks.bias_main_grad
+                                                                : bias_grad;
+  if (weight_sink.defined() || bias_sink.defined()) {
+    ops::linear_wgrad_accumulate_(grad_output, input, optional_if_defined(weight_sink),
+                                  optional_if_defined(bias_sink));
   }
-  if (sinks.bias.defined() && sinks.bias_main_grad.defined())
-    notify_main_grad_accumulated(sinks.bias);
 }
 
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
-                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks) {
+                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks,
+                              const GradWriteLocks& /*locked*/) {
   // accumulate_wgrad's rules, per group; the products of all groups come from at most two grouped
   // ops (one making fresh gradients for .grad, one adding in place), so a grouped kernel serves
   // them all at once.
   c10::InferenceMode not_inference(false);
   at::NoGradGuard no_grad;
   const size_t groups = sinks.size();
-  {
-    std::vector<const at::Tensor*> params;
-    params.reserve(2 * groups);
-    for (const auto& sink : sinks) {
-      params.push_back(&sink.weight);
-      params.push_back(&sink.bias);
-    }
-    GradWriteLocks locks(params);
-    std::vector<char> weight_to_grad(groups), bias_in_place(groups), bias_value(groups);
-    bool any_weight_to_grad = false, any_bias_value = false;
+  std::vector<char> weight_to_grad(groups), bias_in_place(groups), bias_value(groups);
+  bool any_weight_to_grad = false, any_bias_value = false;
+  for (size_t i = 0; i < groups; ++i) {
+    weight_to_grad[i] = sinks[i].weight.defined() && !sinks[i].weight_main_grad.defined();
+    any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
+  }
+  // Where the weights' fresh gradients are made anyway, a bias whose gradient goes to its .grad
+  // comes from the same op and is added with them (one op, not a second one in place).
+  // Otherwise a .grad of the gradient's dtype takes the bias kernel in place, unless its memory
+  // is another group's bias .grad too (a bias tied across experts, or one tensor set as the
+  // .grad of two biases): those get their values summed, or added one by one, in reverse group
+  // order as autograd does (below), not in the kernel's group order.
+  std::vector<char> bias_grad_shared(groups, 0);
+  if (!any_weight_to_grad) {
+    struct Span {
+      uintptr_t begin, end;
+      size_t group;
+    };
+    std::vector<Span> spans;
     for (size_t i = 0; i < groups; ++i) {
-      weight_to_grad[i] = sinks[i].weight.defined() && !sinks[i].weight_main_grad.defined();
-      any_weight_to_grad |= static_cast<bool>(weight_to_grad[i]);
+      if (!sinks[i].bias.defined() || sinks[i].bias_main_grad.defined()) continue;
+      const at::Tensor& grad = sinks[i].bias.grad();
+      if (!grad.defined() || grad.layout() != at::kStrided || grad.numel() == 0) continue;
+      const auto [begin, end] = byte_span(grad);
+      spans.push_back({begin, end, i});
     }
-    // Where the weights' fresh gradients are made anyway, a bias whose gradient goes to its .grad
-    // comes from the same op and is added with them (one op, not a second one in place).
-    // Otherwise a .grad of the gradient's dtype takes the bias kernel in place, unless its memory
-    // is another group's bias .grad too (a bias tied across experts, or one tensor set as the
-    // .grad of two biases): those get their values summed, or added one by one, in reverse group
-    // order as autograd does (below), not in the kernel's group order.
-    std::vector<char> bias_grad_shared(groups, 0);
-    if (!any_weight_to_grad) {
-      struct Span {
-        uintptr_t begin, end;
-        size_t group;
-      };
-      std::vector<Span> spans;
-      for (size_t i = 0; i < groups; ++i) {
-        if (!sinks[i].bias.defined() || sinks[i].bias_main_grad.defined()) continue;
-        const at::Tensor& grad = sinks[i].bias.grad();
-        if (!grad.defined() || grad.layout() != at::kStrided || grad.numel() == 0) continue;
-        const auto [begin, end] = byte_span(grad);
-        spans.push_back({begin, end, i});
+    std::sort(spans.begin(), spans.end(),
+              [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    // A sweep: each span that starts before the furthest end so far overlaps the span that
+    // reaches it, and both are marked.
+    for (size_t k = 1, furthest = 0; k < spans.size(); ++k) {
+      if (spans[k].begin < spans[furthest].end) {
+        bias_grad_shared[spans[k].group] = 1;
+        bias_grad_shared[spans[furthest].group] = 1;
       }
-      std::sort(spans.begin(), spans.end(),
-                [](const Span& a, const Span& b) { return a.begin < b.begin; });
-      // A sweep: each span that starts before the furthest end so far overlaps the span that
-      // reaches it, and both are marked.
-      for (size_t k = 1, furthest = 0; k < spans.size(); ++k) {
-        if (spans[k].begin < spans[furthest].end) {
-          bias_grad_shared[spans[k].group] = 1;
-          bias_grad_shared[spans[furthest].group] = 1;
-        }
-        if (spans[k].end > spans[furthest].end) furthest = k;
-      }
-    }
-    c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
-    weight_targets.reserve(groups);
-    bias_targets.reserve(groups);
-    for (size_t i = 0; i < groups; ++i) {
-      const WgradSinks& sink = sinks[i];
-      const at::Tensor bias_grad =
-          !any_weight_to_grad && sink.bias.defined() && !sink.bias_main_grad.defined()
-              ? sink.bias.grad()
-              : at::Tensor();
-      bias_in_place[i] =
-          sink.bias.defined() &&
-          (sink.bias_main_grad.defined() ||
-           (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
-            bias_grad.scalar_type() == grad_output.scalar_type() && !bias_grad_shared[i]));
-      bias_value[i] = sink.bias.defined() && !bias_in_place[i];
-      any_bias_value |= static_cast<bool>(bias_value[i]);
-      weight_targets.push_back(sink.weight.defined() && !weight_to_grad[i]
-                                   ? std::optional<at::Tensor>(sink.weight_main_grad)
-                                   : std::nullopt);
-      bias_targets.push_back(!bias_in_place[i]               ? std::nullopt
-                             : sink.bias_main_grad.defined() ? std::optional(sink.bias_main_grad)
-                                                             : std::optional(bias_grad));
-    }
-    std::vector<at::Tensor> fresh_weight, fresh_bias;
-    {
-      // Grad mode is off: the grouped op, and the ATen ops it runs per group, skip the autograd
-      // kernels (and the boxed autograd fallback of the op itself). Version counters still move.
-      at::AutoDispatchBelowAutograd below_autograd;
-      if (any_weight_to_grad) {
-        std::tie(fresh_weight, fresh_bias) =
-            ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
-      } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
-        for (size_t i = 0; i < groups; ++i) {
-          fresh_bias.push_back(bias_value[i]
-                                   ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
-                                   : at::Tensor());
-          if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
-        }
-      }
-      const bool any_in_place =
-          std::any_of(weight_targets.begin(), weight_targets.end(),
-                      [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
-          std::any_of(bias_targets.begin(), bias_targets.end(),
-                      [](const std::optional<at::Tensor>& t) { return t.has_value(); });
-      if (any_in_place) {
-        ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
-                                              bias_targets);
-      }
-    }
-    // Each parameter's values of this item are summed first where several groups reach it (tied
-    // experts), in reverse group order (the order the per-expert reference's backward reaches
-    // them), so that its .grad gets one add, as AccumulateGrad gets the pass's sum:
-    // old + (v1 + v3). Then .grads already there get their sums with add_'s arithmetic, those
-    // that cannot fail in one multi-tensor add (one launch, not one per parameter).
-    std::vector<const at::Tensor*> params_to_grad;
-    std::vector<at::Tensor> sums;
-    params_to_grad.reserve(2 * groups);
-    sums.reserve(2 * groups);
-    for (size_t i = groups; i-- > 0;) {
-      if (weight_to_grad[i]) {
-        params_to_grad.push_back(&sinks[i].weight);
-        sums.push_back(std::move(fresh_weight[i]));
-      }
-      if (bias_value[i]) {
-        params_to_grad.push_back(&sinks[i].bias);
-        sums.push_back(std::move(fresh_bias[i]));
-      }
-    }
-    // Tied experts, from the parameters sorted with their positions (plain pairs: sorting the
-    // tensors, or a hash map, costs more host time for a few dozen experts): each tied
-    // parameter's values are summed into its first position, in position order, and the later
-    // positions dropped, so the parameters keep the order above.
-    std::vector<std::pair<const c10::TensorImpl*, size_t>> order;
-    order.reserve(params_to_grad.size());
-    for (size_t p = 0; p < params_to_grad.size(); ++p) {
-      order.emplace_back(params_to_grad[p]->unsafeGetTensorImpl(), p);
-    }
-    std::sort(order.begin(), order.end());
-    const auto same_param = [](const auto& a, const auto& b) { return a.first == b.first; };
-    if (std::adjacent_find(order.begin(), order.end(), same_param) != order.end()) {
-      std::vector<char> merged(params_to_grad.size(), 0);
-      size_t first = 0;  // the current parameter's first position
-      for (size_t k = 0; k < order.size(); ++k) {
-        const size_t p = order[k].second;
-        if (k == 0 || order[k].first != order[k - 1].first) {
-          first = p;
-        } else {
-          sums[first] = sums[first] + sums[p];
-          merged[p] = 1;
-        }
-      }
-      size_t kept = 0;
-      for (size_t p = 0; p < params_to_grad.size(); ++p) {
-        if (merged[p]) continue;
-        params_to_grad[kept] = params_to_grad[p];
-        sums[kept] = std::move(sums[p]);
-        ++kept;
-      }
-      params_to_grad.resize(kept);
-      sums.resize(kept);
-    }
-    // Three kinds, in this order, so that an add that fails (an inference-tensor or expanded
-    // .grad) comes before anything is written: .grads the multi-tensor add might fail on (or
-    // of another dtype) one at a time, then parameters without a .grad (it becomes the value),
-    // then the rest in one multi-tensor add.
-    std::vector<at::Tensor> grads, values;
-    std::vector<size_t> fresh;
-    grads.reserve(params_to_grad.size());
-    values.reserve(params_to_grad.size());
-    fresh.reserve(params_to_grad.size());
-    for (size_t p = 0; p < params_to_grad.size(); ++p) {
-      const at::Tensor& grad = params_to_grad[p]->mutable_grad();
-      if (!grad.defined()) {
-        fresh.push_back(p);
-      } else if (grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
-                 !grad.is_inference() && grad.scalar_type() == sums[p].scalar_type() &&
-                 grad.device() == sums[p].device()) {
-        grads.push_back(grad);
-        values.push_back(std::move(sums[p]));
-      } else {
-        add_to_grad(*params_to_grad[p], std::move(sums[p]));
-      }
-    }
-    for (const size_t p : fresh) add_to_grad(*params_to_grad[p], std::move(sums[p]));
-    // One launch writes every .grad at once: two .grads sharing memory (one tensor set as the
-    // .grad of two parameters) would race there, so those go one at a time.
-    if (shares_memory(grads)) {
-      for (size_t i = 0; i < grads.size(); ++i) grads[i].add_(values[i]);
-    } else if (!grads.empty()) {
-      at::_foreach_add_(grads, values);
+      if (spans[k].end > spans[furthest].end) furthest = k;
     }
   }
-  const auto callback = main_grad_accumulated_callback();  // read once for all groups
-  if (!callback) return;
-  for (const auto& sink : sinks) {
-    if (sink.weight.defined() && sink.weight_main_grad.defined()) callback(sink.weight);
-    if (sink.bias.defined() && sink.bias_main_grad.defined()) callback(sink.bias);
+  c10::List<std::optional<at::Tensor>> weight_targets, bias_targets;
+  weight_targets.reserve(groups);
+  bias_targets.reserve(groups);
+  for (size_t i = 0; i < groups; ++i) {
+    const WgradSinks& sink = sinks[i];
+    const at::Tensor bias_grad =
+        !any_weight_to_grad && sink.bias.defined() && !sink.bias_main_grad.defined()
+            ? sink.bias.grad()
+            : at::Tensor();
+    bias_in_place[i] =
+        sink.bias.defined() &&
+        (sink.bias_main_grad.defined() ||
+         (bias_grad.defined() && bias_grad.layout() == at::kStrided &&
+          bias_grad.scalar_type() == grad_output.scalar_type() && !bias_grad_shared[i]));
+    bias_value[i] = sink.bias.defined() && !bias_in_place[i];
+    any_bias_value |= static_cast<bool>(bias_value[i]);
+    weight_targets.push_back(sink.weight.defined() && !weight_to_grad[i]
+                                 ? std::optional<at::Tensor>(sink.weight_main_grad)
+                                 : std::nullopt);
+    bias_targets.push_back(!bias_in_place[i]               ? std::nullopt
+                           : sink.bias_main_grad.defined() ? std::optional(sink.bias_main_grad)
+                                                           : std::optional(bias_grad));
+  }
+  std::vector<at::Tensor> fresh_weight, fresh_bias;
+  {
+    // Grad mode is off: the grouped op, and the ATen ops it runs per group, skip the autograd
+    // kernels (and the boxed autograd fallback of the op itself). Version counters still move.
+    at::AutoDispatchBelowAutograd below_autograd;
+    if (any_weight_to_grad) {
+      std::tie(fresh_weight, fresh_bias) =
+          ops::grouped_linear_wgrad(grad_output, input, m_splits, any_bias_value);
+    } else if (any_bias_value) {  // the bias kernel's sums on their own, as accumulate_wgrad
+      for (size_t i = 0; i < groups; ++i) {
+        fresh_bias.push_back(bias_value[i]
+                                 ? at::zeros({sinks[i].bias.size(0)}, grad_output.options())
+                                 : at::Tensor());
+        if (bias_value[i]) bias_targets.set(i, fresh_bias[i]);
+      }
+    }
+    const bool any_in_place =
+        std::any_of(weight_targets.begin(), weight_targets.end(),
+                    [](const std::optional<at::Tensor>& t) { return t.has_value(); }) ||
+        std::any_of(bias_targets.begin(), bias_targets.end(),
+                    [](const std::optional<at::Tensor>& t) { return t.has_value(); });
+    if (any_in_place) {
+      ops::grouped_linear_wgrad_accumulate_(grad_output, input, m_splits, weight_targets,
+                                            bias_targets);
+    }
+  }
+  // Each parameter's values of this item are summed first where several groups reach it (tied
+  // experts), in reverse group order (the order the per-expert reference's backward reaches
+  // them), so that its .grad gets one add, as AccumulateGrad gets the pass's sum:
+  // old + (v1 + v3). Then .grads already there get their sums with add_'s arithmetic, those
+  // that cannot fail in one multi-tensor add (one launch, not one per parameter).
+  std::vector<const at::Tensor*> params_to_grad;
+  std::vector<at::Tensor> sums;
+  params_to_grad.reserve(2 * groups);
+  sums.reserve(2 * groups);
+  for (size_t i = groups; i-- > 0;) {
+    if (weight_to_grad[i]) {
+      params_to_grad.push_back(&sinks[i].weight);
+      sums.push_back(std::move(fresh_weight[i]));
+    }
+    if (bias_value[i]) {
+      params_to_grad.push_back(&sinks[i].bias);
+      sums.push_back(std::move(fresh_bias[i]));
+    }
+  }
+  // Tied experts, from the parameters sorted with their positions (plain pairs: sorting the
+  // tensors, or a hash map, costs more host time for a few dozen experts): each tied
+  // parameter's values are summed into its first position, in position order, and the later
+  // positions dropped, so the parameters keep the order above.
+  std::vector<std::pair<const c10::TensorImpl*, size_t>> order;
+  order.reserve(params_to_grad.size());
+  for (size_t p = 0; p < params_to_grad.size(); ++p) {
+    order.emplace_back(params_to_grad[p]->unsafeGetTensorImpl(), p);
+  }
+  std::sort(order.begin(), order.end());
+  const auto same_param = [](const auto& a, const auto& b) { return a.first == b.first; };
+  if (std::adjacent_find(order.begin(), order.end(), same_param) != order.end()) {
+    std::vector<char> merged(params_to_grad.size(), 0);
+    size_t first = 0;  // the current parameter's first position
+    for (size_t k = 0; k < order.size(); ++k) {
+      const size_t p = order[k].second;
+      if (k == 0 || order[k].first != order[k - 1].first) {
+        first = p;
+      } else {
+        sums[first] = sums[first] + sums[p];
+        merged[p] = 1;
+      }
+    }
+    size_t kept = 0;
+    for (size_t p = 0; p < params_to_grad.size(); ++p) {
+      if (merged[p]) continue;
+      params_to_grad[kept] = params_to_grad[p];
+      sums[kept] = std::move(sums[p]);
+      ++kept;
+    }
+    params_to_grad.resize(kept);
+    sums.resize(kept);
+  }
+  // Three kinds, in this order, so that an add that fails (an inference-tensor or expanded
+  // .grad) comes before anything is written: .grads the multi-tensor add might fail on (or
+  // of another dtype) one at a time, then parameters without a .grad (it becomes the value),
+  // then the rest in one multi-tensor add.
+  std::vector<at::Tensor> grads, values;
+  std::vector<size_t> fresh;
+  grads.reserve(params_to_grad.size());
+  values.reserve(params_to_grad.size());
+  fresh.reserve(params_to_grad.size());
+  for (size_t p = 0; p < params_to_grad.size(); ++p) {
+    const at::Tensor& grad = params_to_grad[p]->mutable_grad();
+    if (!grad.defined()) {
+      fresh.push_back(p);
+    } else if (grad.layout() == at::kStrided && grad.is_non_overlapping_and_dense() &&
+               !grad.is_inference() && grad.scalar_type() == sums[p].scalar_type() &&
+               grad.device() == sums[p].device()) {
+      grads.push_back(grad);
+      values.push_back(std::move(sums[p]));
+    } else {
+      add_to_grad(*params_to_grad[p], std::move(sums[p]));
+    }
+  }
+  for (const size_t p : fresh) add_to_grad(*params_to_grad[p], std::move(sums[p]));
+  // One launch writes every .grad at once: two .grads sharing memory (one tensor set as the
+  // .grad of two parameters) would race there, so those go one at a time.
+  if (shares_memory(grads)) {
+    for (size_t i = 0; i < grads.size(); ++i) grads[i].add_(values[i]);
+  } else if (!grads.empty()) {
+    at::_foreach_add_(grads, values);
   }
 }
 
@@ -640,17 +618,21 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
     ledger.note_autograd_contribution(item.targets(), pass.id());
     const bool check_nan = anomaly_checks_nan();
-    const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
-    if (grouped) {
-      accumulate_grouped_wgrad(grad_output, input, m_splits, sinks);
-    } else {
-      accumulate_wgrad(grad_output, input, sinks[0]);
+    std::string nan;
+    {
+      const GradWriteLocks locked(sinks);
+      const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
+      if (grouped) {
+        accumulate_grouped_wgrad(grad_output, input, m_splits, sinks, locked);
+      } else {
+        accumulate_wgrad(grad_output, input, sinks[0], locked);
+      }
+      if (check_nan) {
+        nan = nan_in_sinks(layer, gemm, sinks, had_nan, grouped, "the fused weight gradient");
+      }
     }
-    if (check_nan) {
-      const std::string nan =
-          nan_in_sinks(layer, gemm, sinks, had_nan, grouped, "the fused weight gradient");
-      TORCH_CHECK(nan.empty(), nan);
-    }
+    notify_main_grads_accumulated(sinks);
+    TORCH_CHECK(nan.empty(), nan);
     return;
   }
   // A store filled inside a traced backward (torch.compile's AOTAutograd traces with fake and
@@ -1034,11 +1016,11 @@ std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed
 }
 
 // Why a .grad the item would add to cannot take an in-place add, as AccumulateGrad's would fail
-// on it (an inference tensor, an expanded one), or "" if none; `sinks` are the item's parameters,
-// locked. Checked before the item writes anything: with the stale stashes, before any item runs,
-// where the call runs several (a LayerNormMLP's fc2 item runs before fc1's), else as the item
-// runs (its parameters are locked then anyway; the grouped op adds to biases' .grads in place
-// before other experts' .grads are written).
+// on it (an inference tensor, an expanded one), or "" if none; `sinks`: the item's parameters,
+// their GradWriteLocks held. Checked before the item writes anything: with the stale stashes,
+// before any item runs, where the call runs several (a LayerNormMLP's fc2 item runs before fc1's),
+// else as the item runs, under the hold that writes them (the grouped op adds to biases' .grads in
+// place before other experts' .grads are written).
 std::string unwritable_grad_reason(const DeferredWgrad& item,
                                    const std::vector<detail::WgradSinks>& sinks) {
   for (size_t i = 0; i < sinks.size(); ++i) {
@@ -1124,7 +1106,9 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     std::string reason = stale_reason(items[i]);
     if (reason.empty() && checks_grads_first) {
       const detail::ReferenceBatch references;
-      reason = unwritable_grad_reason(items[i], sinks_of(items[i]));
+      const std::vector<detail::WgradSinks> sinks = sinks_of(items[i]);
+      const detail::GradWriteLocks locked(sinks);
+      reason = unwritable_grad_reason(items[i], sinks);
     }
     if (reason.empty()) {
       runnable.push_back(std::move(items[i]));
@@ -1185,34 +1169,42 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     // pass's hooks do not fire), as autograd's check stops a backward before AccumulateGrad. A
     // gradient that held a nan before is not blamed on it.
     const bool check_nan = item.check_nan || detail::anomaly_checks_nan();
-    const std::vector<bool> had_nan = check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
     std::string nan;
     try {
-      if (!checks_grads_first) {
-        const std::string unwritable = unwritable_grad_reason(item, sinks);
-        TORCH_CHECK(unwritable.empty(), unwritable);
-      }
-      const AutocastAsQueued autocast(item);
-      if (item.groups.empty()) {
-        const detail::WgradSinks& single = sinks.front();
-        if (single.weight.defined() || single.bias.defined()) {
-          // The GEMM's input, recomputed from the stashed activation input only now and freed
-          // right after the GEMM (the same kernels on the same tensor: the forward's bit for bit).
-          // Without grad mode: the stash requires grad, and backward_dw() may run with grad mode
-          // on, where the op would take its differentiable composite and record a graph.
-          const at::Tensor input = item.input_activation.empty() ? item.input : [&] {
-            const at::NoGradGuard no_grad;
-            return ops::activation(item.input, item.input_activation);
-          }();
-          detail::accumulate_wgrad(item.grad_output, input, single);
+      {
+        // The .grads are read (checked, nan flags) and written under one hold of their locks.
+        const detail::GradWriteLocks locked(sinks);
+        const std::vector<bool> had_nan =
+            check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
+        if (!checks_grads_first) {
+          const std::string unwritable = unwritable_grad_reason(item, sinks);
+          TORCH_CHECK(unwritable.empty(), unwritable);
         }
-      } else {
-        detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks);
+        const AutocastAsQueued autocast(item);
+        if (item.groups.empty()) {
+          const detail::WgradSinks& single = sinks.front();
+          if (single.weight.defined() || single.bias.defined()) {
+            // The GEMM's input, recomputed from the stashed activation input only now and freed
+            // right after the GEMM (the same kernels on the same tensor: the forward's bit for
+            // bit). Without grad mode: the stash requires grad, and backward_dw() may run with
+            // grad mode on, where the op would take its differentiable composite and record a
+            // graph.
+            const at::Tensor input = item.input_activation.empty() ? item.input : [&] {
+              const at::NoGradGuard no_grad;
+              return ops::activation(item.input, item.input_activation);
+            }();
+            detail::accumulate_wgrad(item.grad_output, input, single, locked);
+          }
+        } else {
+          detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks,
+                                           locked);
+        }
+        if (check_nan) {
+          nan = detail::nan_in_sinks(item.layer, item.gemm, sinks, had_nan, !item.groups.empty(),
+                                     "backward_dw() (the deferred weight gradient)");
+        }
       }
-      if (check_nan) {
-        nan = detail::nan_in_sinks(item.layer, item.gemm, sinks, had_nan, !item.groups.empty(),
-                                   "backward_dw() (the deferred weight gradient)");
-      }
+      detail::notify_main_grads_accumulated(sinks);
     } catch (...) {
       keep_until_read(item);  // some of its kernels may have been enqueued
       drop(item);

@@ -3,6 +3,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,17 +65,35 @@ struct WgradSinks {
   at::Tensor bias_main_grad;
 };
 
+/// Serialises the reads and writes of parameters' gradients: two threads' deferred work (or one's
+/// backward_dw() and another's fused backward) may feed one parameter, and a .grad read while
+/// another thread assigns it is a data race. Locks `sinks`' parameters while it lives (striped by
+/// address, in one global order: no deadlock). Not reentrant: a thread holds one at a time.
+class GradWriteLocks {
+ public:
+  explicit GradWriteLocks(const std::vector<WgradSinks>& sinks);
+  ~GradWriteLocks();
+  GradWriteLocks(const GradWriteLocks&) = delete;
+  GradWriteLocks& operator=(const GradWriteLocks&) = delete;
+
+ private:
+  void unlock();
+  uint64_t held_ = 0;  // bit s: stripe s is locked by this object
+};
+
 /// Adds dW = dyᵀ·x and db = Σ dy to their sinks (`+=`, never `=`); a parameter without a .grad gets
-/// one, as AccumulateGrad would give it.
+/// one, as AccumulateGrad would give it. `locked`: the caller holds the sinks' locks (its checks
+/// of their .grads and these writes under one hold); notify_main_grads_accumulated() after it.
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
-                      const WgradSinks& sinks);
+                      const WgradSinks& sinks, const GradWriteLocks& locked);
 
 /// The grouped form (GroupedLinear): rows [offset_i, offset_i + m_splits[i]) of grad_output and
 /// input feed sinks[i], with accumulate_wgrad's arithmetic per group. Sinks may share a parameter
 /// (tied experts): its .grad gets their sum in reverse group order, as per-expert autograd adds
 /// them (a main_grad accumulates them in group order).
 void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
-                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks);
+                              const at::Tensor& m_splits, const std::vector<WgradSinks>& sinks,
+                              const GradWriteLocks& locked);
 
 /// delay_wgrad_compute=True needs the layer registered with the deferred-wgrad store.
 void check_registered_if_delayed(Who who, bool delay, core::LayerId layer);
@@ -126,8 +145,10 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);
 
-/// Tells the callback set by set_main_grad_accumulated_callback(), if any.
-void notify_main_grad_accumulated(const at::Tensor& param);
+/// Tells the callback set by set_main_grad_accumulated_callback(), if any, of each of `sinks`'
+/// parameters with a main_grad (after an accumulate, with the locks released: the callback may
+/// take others, the GIL).
+void notify_main_grads_accumulated(const std::vector<WgradSinks>& sinks);
 
 /// The main_grads of `params` (undefined entries stay undefined) for a layer that reads them in its
 /// backward (the ops' lazy_main_grad), as Transformer Engine does: Megatron-FSDP allocates
