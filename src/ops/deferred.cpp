@@ -106,6 +106,9 @@ std::array<std::mutex, kGradLockStripes>& grad_lock_stripes() {
 }  // namespace
 
 GradWriteLocks::GradWriteLocks(const std::vector<WgradSinks>& sinks) {
+  TORCH_INTERNAL_ASSERT(!ReferenceBatch::active(),
+                        "gradient locks taken inside a ReferenceBatch, which may hold the GIL: a "
+                        "deadlock with a thread that holds them and waits for the GIL");
   uint64_t stripes = 0;  // bit s: stripe s is needed
   for (const WgradSinks& sink : sinks) {
     for (const at::Tensor* param : {&sink.weight, &sink.bias}) {
@@ -272,9 +275,18 @@ void set_reference_batch_hook(std::shared_ptr<void> (*hook)()) {
   reference_batch_hook().store(hook, std::memory_order_release);
 }
 
+namespace {
+thread_local int reference_batch_depth = 0;  // the ReferenceBatch scopes open on this thread
+}  // namespace
+
 ReferenceBatch::ReferenceBatch() {
   if (const auto hook = reference_batch_hook().load(std::memory_order_acquire)) held_ = hook();
+  ++reference_batch_depth;
 }
+
+ReferenceBatch::~ReferenceBatch() { --reference_batch_depth; }
+
+bool ReferenceBatch::active() { return reference_batch_depth > 0; }
 
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks, const GradWriteLocks& /*locked*/) {
@@ -1105,10 +1117,19 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
   for (size_t i = 0; i < items.size(); ++i) {
     std::string reason = stale_reason(items[i]);
     if (reason.empty() && checks_grads_first) {
+      // The gradient locks are never waited for inside a ReferenceBatch: it holds the GIL (the
+      // Python module), which a thread holding a lock may need (a __torch_dispatch__ mode).
+      std::vector<detail::WgradSinks> sinks;
+      {
+        const detail::ReferenceBatch references;
+        sinks = sinks_of(items[i]);
+      }
+      {
+        const detail::GradWriteLocks locked(sinks);
+        reason = unwritable_grad_reason(items[i], sinks);
+      }
       const detail::ReferenceBatch references;
-      const std::vector<detail::WgradSinks> sinks = sinks_of(items[i]);
-      const detail::GradWriteLocks locked(sinks);
-      reason = unwritable_grad_reason(items[i], sinks);
+      sinks.clear();
     }
     if (reason.empty()) {
       runnable.push_back(std::move(items[i]));

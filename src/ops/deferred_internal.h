@@ -68,7 +68,9 @@ struct WgradSinks {
 /// Serialises the reads and writes of parameters' gradients: two threads' deferred work (or one's
 /// backward_dw() and another's fused backward) may feed one parameter, and a .grad read while
 /// another thread assigns it is a data race. Locks `sinks`' parameters while it lives (striped by
-/// address, in one global order: no deadlock). Not reentrant: a thread holds one at a time.
+/// address, in one global order: no deadlock). Not reentrant: a thread holds one at a time. Never
+/// taken inside a ReferenceBatch, which may hold the GIL: a thread holding these locks may wait for
+/// the GIL (an op dispatched to a Python __torch_dispatch__ mode).
 class GradWriteLocks {
  public:
   explicit GradWriteLocks(const std::vector<WgradSinks>& sinks);
@@ -176,6 +178,11 @@ void read_main_grads(Who who, std::vector<WgradSinks>& sinks, bool numbered,
 class ReferenceBatch {
  public:
   ReferenceBatch();
+  ~ReferenceBatch();
+  ReferenceBatch(const ReferenceBatch&) = delete;
+  ReferenceBatch& operator=(const ReferenceBatch&) = delete;
+  /// Whether the calling thread is inside one (GradWriteLocks asserts it is not).
+  static bool active();
 
  private:
   std::shared_ptr<void> held_;

@@ -458,6 +458,64 @@ def test_grouped_backward_dw_in_threads_while_the_main_thread_calls_in_holding_t
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("other", ["delayed", "fused"])
+def test_backward_dw_all_in_threads_while_another_thread_runs_under_a_dispatch_mode(other):
+    """Thread A's backward_dw_all() runs several items of its model (their .grads checked before
+    any runs) while thread B trains its own model (delayed, or fused into main_grad) under a Python
+    __torch_dispatch__ mode: B's gradient writes hold a parameter lock and wait for the GIL, so A
+    must never wait for such a lock with the GIL held (the locks are striped by address: the two
+    models share stripes). In a subprocess, so that a deadlock fails the test; the gradients equal
+    autograd's."""
+    script = textwrap.dedent(f"""
+        import contextlib, threading, torch, splitgrad
+        from torch.utils._python_dispatch import TorchDispatchMode
+        class PassThrough(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {{}}))
+        torch.manual_seed(0)
+        D, L, STEPS = 16, 12, 60
+        a = [splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=True) for _ in range(L)]
+        fused = {other == "fused"!r}
+        b = [splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=not fused,
+                              fuse_wgrad_accumulation=fused) for _ in range(L)]
+        for layer in b if fused else []:
+            layer.weight.main_grad = torch.zeros(D, D)
+        params = [[p for layer in model for p in layer.parameters()] for model in (a, b)]
+        refs = [[p.detach().clone().requires_grad_() for p in ps] for ps in params]
+        inputs = [[torch.randn(4, D) for _ in range(STEPS)] for _ in range(2)]
+        errors = []
+        def train(model, ps, xs, mode):
+            try:
+                for x in xs:
+                    with mode():
+                        for layer in model:
+                            x = layer(x)
+                        x.square().sum().backward()
+                        splitgrad.backward_dw_all(ps)
+            except Exception as error:
+                errors.append(error)
+        threads = [threading.Thread(target=train, args=(a, params[0], inputs[0], contextlib.nullcontext)),
+                   threading.Thread(target=train, args=(b, params[1], inputs[1], PassThrough))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for ps, rs, xs in zip(params, refs, inputs):
+            for x in xs:
+                for i in range(L):
+                    x = torch.nn.functional.linear(x, rs[2 * i], rs[2 * i + 1])
+                x.square().sum().backward()
+            for i, (p, r) in enumerate(zip(ps, rs)):
+                got = getattr(p, "main_grad", None)
+                got = p.grad if got is None else got
+                torch.testing.assert_close(got, r.grad, rtol=1e-5, atol=1e-5, msg=str(i))
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
 def test_a_layer_deleted_by_a_throwing_hook_while_its_item_is_in_flight_reports_the_item_dropped():
     """A grad-ready hook deletes layer B, then raises, inside backward_dw_all() while B's item is
     still to run: the item cannot go back on B's queue. It is reported as dropped (a warning, the
