@@ -139,29 +139,33 @@ void GradWriteLocks::unlock() {
   held_ = 0;
 }
 
-namespace {
-// The dtype autograd gives `param`'s .grad: its grad_dtype (a bf16 parameter may keep fp32
-// gradients), else its own; nullopt where any dtype is allowed.
-std::optional<at::ScalarType> grad_dtype_of(const at::Tensor& param) {
+at::Tensor as_grad_dtype(const at::Tensor& param, at::Tensor value) {
+  // The dtype autograd gives param's .grad: its grad_dtype (a bf16 parameter may keep fp32
+  // gradients), else its own; none where any dtype is allowed.
   const auto* meta = torch::autograd::impl::get_autograd_meta(param);
-  return meta != nullptr ? meta->grad_dtype(param) : std::optional(param.scalar_type());
+  const std::optional<at::ScalarType> dtype =
+      meta != nullptr ? meta->grad_dtype(param) : std::optional(param.scalar_type());
+  return dtype.has_value() && value.scalar_type() != *dtype ? value.to(*dtype) : std::move(value);
 }
 
+namespace {
 // Adds `value` to `param`'s .grad with AccumulateGrad's arithmetic: without a .grad, the value
 // becomes it (cast to the gradient's dtype, laid out as the parameter); else the value is added in
-// place (a sparse .grad, left by a sparse nn.Embedding tied to the layer, becomes dense first).
+// place (a sparse .grad, left by a sparse nn.Embedding tied to the layer, becomes the dense sum).
 void add_to_grad(const at::Tensor& param, at::Tensor value) {
   at::Tensor& grad = param.mutable_grad();
   if (!grad.defined()) {
-    const auto dtype = grad_dtype_of(param);
-    if (dtype.has_value() && value.scalar_type() != *dtype) value = value.to(*dtype);
+    value = as_grad_dtype(param, std::move(value));
     grad = value.strides() == param.strides()
                ? value
                : at::empty_like(param, value.options().memory_format(at::MemoryFormat::Preserve))
                      .copy_(value);
     return;
   }
-  if (grad.layout() != at::kStrided) grad = grad.to_dense();
+  if (grad.layout() != at::kStrided) {  // out of place, as AccumulateGrad: the dtypes promote
+    grad = grad.to_dense() + value;
+    return;
+  }
   grad.add_(value);
 }
 
@@ -443,8 +447,10 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
   }
   // Tied experts, from the parameters sorted with their positions (plain pairs: sorting the
   // tensors, or a hash map, costs more host time for a few dozen experts): each tied
-  // parameter's values are summed into its first position, in position order, and the later
-  // positions dropped, so the parameters keep the order above.
+  // parameter's values are summed in position order, each cast to its .grad's dtype first as
+  // autograd casts each contribution, into its last position (its lowest group: per-expert
+  // autograd's AccumulateGrad runs after that expert's backward, the last to reach it), and the
+  // other positions dropped. That order matters where .grads share memory (added one by one).
   std::vector<std::pair<const c10::TensorImpl*, size_t>> order;
   order.reserve(params_to_grad.size());
   for (size_t p = 0; p < params_to_grad.size(); ++p) {
@@ -454,15 +460,16 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
   const auto same_param = [](const auto& a, const auto& b) { return a.first == b.first; };
   if (std::adjacent_find(order.begin(), order.end(), same_param) != order.end()) {
     std::vector<char> merged(params_to_grad.size(), 0);
-    size_t first = 0;  // the current parameter's first position
-    for (size_t k = 0; k < order.size(); ++k) {
-      const size_t p = order[k].second;
-      if (k == 0 || order[k].first != order[k - 1].first) {
-        first = p;
-      } else {
-        sums[first] = sums[first] + sums[p];
-        merged[p] = 1;
+    for (size_t k = 0, end = 0; k < order.size(); k = end) {
+      for (end = k + 1; end < order.size() && order[end].first == order[k].first;) ++end;
+      if (end - k == 1) continue;
+      const at::Tensor& param = *params_to_grad[order[k].second];
+      at::Tensor sum = as_grad_dtype(param, std::move(sums[order[k].second]));
+      for (size_t j = k + 1; j < end; ++j) {
+        sum = sum + as_grad_dtype(param, std::move(sums[order[j].second]));
+        merged[order[j - 1].second] = 1;
       }
+      sums[order[end - 1].second] = std::move(sum);
     }
     size_t kept = 0;
     for (size_t p = 0; p < params_to_grad.size(); ++p) {

@@ -65,6 +65,10 @@ struct WgradSinks {
   at::Tensor bias_main_grad;
 };
 
+/// `value`, a gradient of `param`, in the dtype autograd gives param's .grad (its grad_dtype, else
+/// its own dtype; unchanged where grad_dtype allows any): autograd casts each contribution so.
+at::Tensor as_grad_dtype(const at::Tensor& param, at::Tensor value);
+
 /// Serialises the reads and writes of parameters' gradients: two threads' deferred work (or one's
 /// backward_dw() and another's fused backward) may feed one parameter, and a .grad read while
 /// another thread assigns it is a data race. Locks `sinks`' parameters while it lives (striped by

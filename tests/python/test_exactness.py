@@ -92,6 +92,33 @@ class TiedLM(nn.Module):
         return self.head(torch.tanh(self.hidden(self.embed(tokens))))
 
 
+@pytest.mark.parametrize("module", ["Linear", "GroupedLinear"])
+def test_a_sparse_grad_of_another_dtype_is_promoted_as_autograd_does(module):
+    """grad_dtype=None lets a .grad have any dtype: a float64 weight's sparse float32 .grad becomes
+    old + new, dense and float64 (the dtypes promote), as AccumulateGrad makes it."""
+    torch.manual_seed(0)
+    if module == "Linear":
+        layer = splitgrad.Linear(D, D, bias=False, params_dtype=torch.float64, device="cpu",
+                                 delay_wgrad_compute=True)
+        weight, run = layer.weight, lambda m, x: m(x)
+    else:
+        layer = splitgrad.GroupedLinear(1, D, D, bias=False, params_dtype=torch.float64,
+                                        device="cpu", delay_wgrad_compute=True)
+        weight, run = layer.weight0, lambda m, x: m(x, [x.shape[0]])
+    reference = nn.Parameter(weight.detach().clone())
+    old = torch.randn(D, D).relu().to_sparse()  # float32
+    for p in (weight, reference):
+        p.grad_dtype = None
+        p.grad = old.clone()
+    x, gy = torch.randn(5, D, dtype=torch.float64), torch.randn(5, D, dtype=torch.float64)
+    run(layer, x).backward(gy)
+    layer.backward_dw()
+    F.linear(x, reference).backward(gy)
+    assert reference.grad.dtype == torch.float64 and reference.grad.layout == torch.strided
+    assert weight.grad.dtype == torch.float64 and weight.grad.layout == torch.strided
+    torch.testing.assert_close(weight.grad, reference.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse-embedding"])
 @pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
 def test_embedding_tied_to_output_layer(delay, sparse):

@@ -313,6 +313,66 @@ def test_one_grad_tensor_shared_by_two_experts_gets_both_values(device, kind):
                                    rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["weight", "bias"])
+def test_tied_expert_sharing_a_grad_tensor_gets_its_sum_after_its_lowest_expert(device, kind):
+    """weight2 = weight0 (or the biases), and one tensor is the .grad of that tied parameter and
+    of expert 1's: per-expert autograd adds expert 1's value first, and the tied parameter's sum
+    only once its lowest expert (0) has run: G + v1 + (v2 + v0), not G + (v2 + v0) + v1. On the
+    CPU bit for bit as per-expert autograd leaves it. Frozen weights in the biases' case, as in
+    the test above."""
+    layer = _layer(device=device, n=3, delay_wgrad_compute=True, bias=kind == "bias")
+    if kind == "bias":
+        for weight in layer.weights:
+            weight.requires_grad_(False)
+    setattr(layer, f"{kind}2", getattr(layer, f"{kind}0"))
+    reference = to_reference(layer)
+    tied, other = getattr(layer, f"{kind}0"), getattr(layer, f"{kind}1")
+    tied_reference, other_reference = getattr(reference, f"{kind}0"), getattr(reference, f"{kind}1")
+    start = torch.randn(tied.shape, device=device)
+    shared, shared_reference = start.clone(), start.clone()
+    tied.grad = other.grad = shared
+    tied_reference.grad = other_reference.grad = shared_reference
+    splits = [4, 1, 3]
+    x, gy = _data(splits, device=device)
+    layer(x, splits).backward(gy)
+    reference(x, splits).backward(gy)
+    layer.backward_dw()
+    assert tied.grad is shared and other.grad is shared
+    weights, biases = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), kind == "bias")
+    v = weights if kind == "weight" else biases
+    torch.testing.assert_close(shared, start + v[1] + (v[2] + v[0]), rtol=0, atol=0)
+    if device == "cpu":
+        torch.testing.assert_close(shared, shared_reference, rtol=0, atol=0)
+        # the data tell the orders apart
+        assert not torch.equal(start + v[1] + (v[2] + v[0]), start + (v[2] + v[0]) + v[1])
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_tied_experts_with_an_fp32_grad_dtype_sum_in_fp32(delay):
+    """bf16 experts tied to each other whose .grad is kept in fp32 (grad_dtype): autograd casts
+    each expert's value to fp32 before adding them, f32(v2) + f32(v0), not f32(v2 + v0) summed in
+    bf16; bit for bit as per-expert autograd, on the regular and the delayed path."""
+    layer = _layer(n=3, dtype=torch.bfloat16, delay_wgrad_compute=delay)
+    layer.weight2 = layer.weight0
+    layer.bias2 = layer.bias0
+    reference = to_reference(layer)
+    for model in (layer, reference):
+        for p in model.parameters():
+            p.grad_dtype = torch.float32
+    splits = [3, 2, 4]
+    x, gy = _data(splits, dtype=torch.bfloat16)
+    layer(x, splits).backward(gy)
+    reference(x, splits).backward(gy)
+    layer.backward_dw()
+    for p in layer.parameters():
+        assert p.grad.dtype == torch.float32
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.bfloat16)
+    weights, _ = torch.ops.splitgrad.grouped_linear_wgrad(gy, x, torch.tensor(splits), True)
+    # the data tell the roundings apart
+    assert not torch.equal(weights[2].float() + weights[0].float(), (weights[2] + weights[0]).float())
+
+
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
 @pytest.mark.parametrize("grouped_delay", [False, True], ids=["grouped-regular", "grouped-delayed"])
 def test_expert_tied_to_another_layer(linear_delay, grouped_delay):
