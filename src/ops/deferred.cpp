@@ -574,6 +574,38 @@ at::Tensor written_buffer(const at::Tensor& param, const at::Tensor& main_grad) 
 bool has_nan(const at::Tensor& t) { return t.defined() && at::isnan(t).any().item<bool>(); }
 }  // namespace
 
+namespace {
+// The first .grad of `sinks`' parameters that cannot take an in-place add, as AccumulateGrad's
+// would fail on it (an inference tensor, an expanded one): "the .grad of bias1: it is an
+// inference tensor ..." ("bias1" with `numbered`, else "bias"), or "" if none.
+std::string unwritable_grad(const std::vector<WgradSinks>& sinks, bool numbered) {
+  for (size_t i = 0; i < sinks.size(); ++i) {
+    const WgradSinks& sink = sinks[i];
+    for (const bool is_weight : {true, false}) {
+      const at::Tensor& param = is_weight ? sink.weight : sink.bias;
+      const at::Tensor& main_grad = is_weight ? sink.weight_main_grad : sink.bias_main_grad;
+      if (!param.defined() || main_grad.defined()) continue;  // a main_grad is written, not .grad
+      const at::Tensor grad = param.grad();
+      if (!grad.defined() || grad.layout() != at::kStrided) continue;  // sparse: made dense anew
+      std::string why;
+      if (grad.is_inference()) {
+        why =
+            "it is an inference tensor (set under torch.inference_mode), which cannot be "
+            "updated in place outside it";
+      } else if (at::has_internal_overlap(grad) == at::MemOverlap::Yes) {
+        why = c10::str("elements of it share memory (an expanded tensor, strides ", grad.strides(),
+                       "), so it cannot be added to in place");
+      } else {
+        continue;
+      }
+      return c10::str("the .grad of ", is_weight ? "weight" : "bias",
+                      numbered ? std::to_string(i) : "", ": ", why);
+    }
+  }
+  return "";
+}
+}  // namespace
+
 std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks) {
   std::vector<bool> flags;
   for (const WgradSinks& sink : sinks) {
@@ -640,6 +672,13 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     std::string nan;
     {
       const GradWriteLocks locked(sinks);
+      // As on the deferred path: a .grad that cannot be added to stops the layer before it writes
+      // anything (a main_grad, another expert's .grad), where autograd's add would fail midway.
+      const std::string unwritable = unwritable_grad(sinks, grouped);
+      TORCH_CHECK(unwritable.empty(), layer_label(layer, gemm),
+                  ": the fused weight gradient cannot add to ", unwritable,
+                  ". Nothing was written to this layer's main_grads or .grads. Set a .grad of its "
+                  "own, made outside inference mode (p.grad = p.grad.clone()).");
       const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
       if (grouped) {
         accumulate_grouped_wgrad(grad_output, input, m_splits, sinks, locked);
@@ -1034,42 +1073,21 @@ std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed
       "gradient of the pass is half-written and the next backward_dw() runs the next pass.");
 }
 
-// Why a .grad the item would add to cannot take an in-place add, as AccumulateGrad's would fail
-// on it (an inference tensor, an expanded one), or "" if none; `sinks`: the item's parameters,
-// their GradWriteLocks held. Checked before the item writes anything: with the stale stashes,
-// before any item runs, where the call runs several (a LayerNormMLP's fc2 item runs before fc1's),
-// else as the item runs, under the hold that writes them (the grouped op adds to biases' .grads in
-// place before other experts' .grads are written).
+// Why a .grad the item would add to cannot take an in-place add, or "" if none (see
+// detail::unwritable_grad); `sinks`: the item's parameters, their GradWriteLocks held. Checked
+// before the item writes anything: with the stale stashes, before any item runs, where the call
+// runs several (a LayerNormMLP's fc2 item runs before fc1's), else as the item runs, under the
+// hold that writes them (the grouped op adds to biases' .grads in place before other experts'
+// .grads are written).
 std::string unwritable_grad_reason(const DeferredWgrad& item,
                                    const std::vector<detail::WgradSinks>& sinks) {
-  for (size_t i = 0; i < sinks.size(); ++i) {
-    const detail::WgradSinks& sink = sinks[i];
-    for (const bool is_weight : {true, false}) {
-      const at::Tensor& param = is_weight ? sink.weight : sink.bias;
-      const at::Tensor& main_grad = is_weight ? sink.weight_main_grad : sink.bias_main_grad;
-      if (!param.defined() || main_grad.defined()) continue;  // a main_grad is written, not .grad
-      const at::Tensor grad = param.grad();
-      if (!grad.defined() || grad.layout() != at::kStrided) continue;  // sparse: made dense anew
-      std::string why;
-      if (grad.is_inference()) {
-        why =
-            "it is an inference tensor (set under torch.inference_mode), which cannot be "
-            "updated in place outside it";
-      } else if (at::has_internal_overlap(grad) == at::MemOverlap::Yes) {
-        why = c10::str("elements of it share memory (an expanded tensor, strides ", grad.strides(),
-                       "), so it cannot be added to in place");
-      } else {
-        continue;
-      }
-      return c10::str(detail::layer_label(item.layer, item.gemm),
-                      ": backward_dw() cannot add to the .grad of ", is_weight ? "weight" : "bias",
-                      item.groups.empty() ? "" : std::to_string(i), ": ", why,
-                      ". That item was dropped and no gradient was written for it; the grad-ready "
-                      "hooks of its parameters do not fire for that backward pass. Set a .grad of "
-                      "its own, made outside inference mode (p.grad = p.grad.clone()).");
-    }
-  }
-  return "";
+  const std::string which = detail::unwritable_grad(sinks, !item.groups.empty());
+  if (which.empty()) return which;
+  return c10::str(detail::layer_label(item.layer, item.gemm), ": backward_dw() cannot add to ",
+                  which,
+                  ". That item was dropped and no gradient was written for it; the grad-ready "
+                  "hooks of its parameters do not fire for that backward pass. Set a .grad of "
+                  "its own, made outside inference mode (p.grad = p.grad.clone()).");
 }
 
 // The item's parameters, locked (undefined where freed), with their main_grads: one per group.

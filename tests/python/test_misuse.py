@@ -10,7 +10,8 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import splitgrad
-from sg_helpers import assert_grads_match, backward_dw_each, make_data, to_reference, unwritable_grad
+from sg_helpers import (assert_grads_match, backward_dw_each, gradient_of, make_data, to_reference,
+                        unwritable_grad)
 
 D = 8
 
@@ -444,6 +445,35 @@ def test_an_unwritable_grad_writes_nothing_of_the_item(bad):
     for name, p in layer.named_parameters():
         assert splitgrad._C.dropped_wgrads_for(p) == 1, name
         torch.testing.assert_close(p.grad, before[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("how", ["inference", "expanded"])
+@pytest.mark.parametrize("module", ["Linear", "GroupedLinear"])
+def test_fused_layer_with_an_unwritable_bias_grad_writes_nothing(module, how):
+    """fuse_wgrad_accumulation=True without delay: the weights' gradients go to main_grad at once
+    and a bias without one to its .grad. A bias .grad that cannot be added to in place stops the
+    backward with an error naming the layer and the bias, before any main_grad or other .grad is
+    written (the inference tensor itself is left as it was)."""
+    if module == "Linear":
+        layer = splitgrad.Linear(D, D, device="cpu", fuse_wgrad_accumulation=True, name="fused")
+        bad, args, x = "bias", (), torch.randn(4, D)
+    else:
+        layer = splitgrad.GroupedLinear(3, D, D, device="cpu", fuse_wgrad_accumulation=True,
+                                        name="fused")
+        bad, args, x = "bias1", ([1, 2, 1],), torch.randn(4, D)
+    params = dict(layer.named_parameters())
+    for name, p in params.items():
+        if name.startswith("weight"):
+            p.main_grad = torch.zeros(p.shape)
+        else:
+            p.grad = unwritable_grad(p, how) if name == bad else torch.randn_like(p)
+    before = {name: gradient_of(p).clone() for name, p in params.items()}
+    match = "inference tensor" if how == "inference" else "share memory"
+    with pytest.raises(RuntimeError, match=rf"'fused'.*fused weight gradient cannot add to the "
+                                           rf"\.grad of {bad}: .*{match}"):
+        layer(x, *args).sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(gradient_of(p), before[name], rtol=0, atol=0, msg=name)
 
 
 def test_layer_deleted_with_work_queued_keeps_dropping_it():
