@@ -139,13 +139,20 @@ void GradWriteLocks::unlock() {
   held_ = 0;
 }
 
+namespace {
+// `value`, a gradient of `param`, in the dtype autograd gives param's .grad: its grad_dtype (a
+// bf16 parameter may keep fp32 gradients), else its own; unchanged where any dtype is allowed.
 at::Tensor as_grad_dtype(const at::Tensor& param, at::Tensor value) {
-  // The dtype autograd gives param's .grad: its grad_dtype (a bf16 parameter may keep fp32
-  // gradients), else its own; none where any dtype is allowed.
   const auto* meta = torch::autograd::impl::get_autograd_meta(param);
   const std::optional<at::ScalarType> dtype =
       meta != nullptr ? meta->grad_dtype(param) : std::optional(param.scalar_type());
   return dtype.has_value() && value.scalar_type() != *dtype ? value.to(*dtype) : std::move(value);
+}
+}  // namespace
+
+at::Tensor as_contribution(const at::Tensor& param, at::Tensor value) {
+  return value.scalar_type() == param.scalar_type() ? as_grad_dtype(param, std::move(value))
+                                                    : std::move(value);
 }
 
 namespace {
@@ -162,8 +169,8 @@ void add_to_grad(const at::Tensor& param, at::Tensor value) {
                      .copy_(value);
     return;
   }
-  if (grad.layout() != at::kStrided) {  // out of place, as AccumulateGrad: the dtypes promote
-    grad = grad.to_dense() + value;
+  if (grad.layout() != at::kStrided) {  // AccumulateGrad's new + old: dense, the dtypes promoted
+    grad = value + grad;
     return;
   }
   grad.add_(value);
@@ -447,10 +454,10 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
   }
   // Tied experts, from the parameters sorted with their positions (plain pairs: sorting the
   // tensors, or a hash map, costs more host time for a few dozen experts): each tied
-  // parameter's values are summed in position order, each cast to its .grad's dtype first as
-  // autograd casts each contribution, into its last position (its lowest group: per-expert
-  // autograd's AccumulateGrad runs after that expert's backward, the last to reach it), and the
-  // other positions dropped. That order matters where .grads share memory (added one by one).
+  // parameter's values are summed in position order (each as_contribution, as autograd sums
+  // them) into its last position (its lowest group: per-expert autograd's AccumulateGrad runs
+  // after that expert's backward, the last to reach it), and the other positions dropped. That
+  // order matters where .grads share memory (added one by one).
   std::vector<std::pair<const c10::TensorImpl*, size_t>> order;
   order.reserve(params_to_grad.size());
   for (size_t p = 0; p < params_to_grad.size(); ++p) {
@@ -464,9 +471,9 @@ void accumulate_grouped_wgrad(const at::Tensor& grad_output, const at::Tensor& i
       for (end = k + 1; end < order.size() && order[end].first == order[k].first;) ++end;
       if (end - k == 1) continue;
       const at::Tensor& param = *params_to_grad[order[k].second];
-      at::Tensor sum = as_grad_dtype(param, std::move(sums[order[k].second]));
+      at::Tensor sum = as_contribution(param, std::move(sums[order[k].second]));
       for (size_t j = k + 1; j < end; ++j) {
-        sum = sum + as_grad_dtype(param, std::move(sums[order[j].second]));
+        sum = sum + as_contribution(param, std::move(sums[order[j].second]));
         merged[order[j - 1].second] = 1;
       }
       sums[order[end - 1].second] = std::move(sum);
@@ -677,7 +684,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
       const std::string unwritable = unwritable_grad(sinks, grouped);
       TORCH_CHECK(unwritable.empty(), layer_label(layer, gemm),
                   ": the fused weight gradient cannot add to ", unwritable,
-                  ". Nothing was written to this layer's main_grads or .grads. Set a .grad of its "
+                  ". None of this GEMM's weight and bias gradients was written. Set a .grad of its "
                   "own, made outside inference mode (p.grad = p.grad.clone()).");
       const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
       if (grouped) {

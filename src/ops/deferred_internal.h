@@ -65,9 +65,11 @@ struct WgradSinks {
   at::Tensor bias_main_grad;
 };
 
-/// `value`, a gradient of `param`, in the dtype autograd gives param's .grad (its grad_dtype, else
-/// its own dtype; unchanged where grad_dtype allows any): autograd casts each contribution so.
-at::Tensor as_grad_dtype(const at::Tensor& param, at::Tensor value);
+/// `value`, one of a pass's gradients of `param`, as autograd adds it to the others before its
+/// .grad: one in the parameter's dtype is cast to the .grad's dtype first (autograd casts each
+/// contribution to grad_dtype); one in autocast's compute dtype stays as it is (autocast casts the
+/// parameter once, so its contributions are summed before that cast's backward).
+at::Tensor as_contribution(const at::Tensor& param, at::Tensor value);
 
 /// Serialises the reads and writes of parameters' gradients: two threads' deferred work (or one's
 /// backward_dw() and another's fused backward) may feed one parameter, and a .grad read while

@@ -116,7 +116,7 @@ std::vector<at::Tensor> split_rows(const at::Tensor& t, const std::vector<int64_
 
 // Autograd adds the gradients an op returns for one parameter in slot order, (v0 + v1) + v2,
 // where per-expert nn.Linear ops reach a parameter tied across experts in reverse (the last
-// expert's backward runs first): (v2 + v1) + v0, each cast to the .grad's dtype first. Such a
+// expert's backward runs first): (v2 + v1) + v0, each as_contribution. Such a
 // parameter gets that sum in one slot of `grads` (slots first_slot + i for params[i]), the others
 // none, as the delayed path adds it (accumulate_grouped_wgrad).
 void sum_tied_in_reverse(variable_list& grads, size_t first_slot,
@@ -128,7 +128,7 @@ void sum_tied_in_reverse(variable_list& grads, size_t first_slot,
     const auto [it, first] = sum_slot.emplace(params[i].unsafeGetTensorImpl(), first_slot + i);
     if (first) continue;
     grads[it->second] =
-        as_grad_dtype(params[i], std::move(grads[it->second])) + as_grad_dtype(params[i], grad);
+        as_contribution(params[i], std::move(grads[it->second])) + as_contribution(params[i], grad);
     grad = at::Tensor();
   }
 }

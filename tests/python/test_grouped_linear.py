@@ -373,6 +373,31 @@ def test_tied_experts_with_an_fp32_grad_dtype_sum_in_fp32(delay):
     assert not torch.equal(weights[2].float() + weights[0].float(), (weights[2] + weights[0]).float())
 
 
+@pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
+def test_tied_fp32_experts_under_autocast_sum_in_bf16_as_autograd(delay):
+    """Under autocast, a tied fp32 weight is cast to bf16 once (autocast's cache): autograd sums
+    its experts' bf16 values before that cast's backward, f32(v2 + v0), unlike an fp32 grad_dtype
+    (the test above); bit for bit as per-expert autograd, on the regular and the delayed path."""
+    layer = _layer(n=3, delay_wgrad_compute=delay)
+    layer.weight2 = layer.weight0
+    layer.bias2 = layer.bias0
+    reference = to_reference(layer)
+    splits = [3, 2, 4]
+    x, gy = _data(splits)
+    gy = gy.bfloat16()
+    for model in (layer, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(x, splits)
+        y.backward(gy)
+    layer.backward_dw()
+    for p in layer.parameters():
+        assert p.grad.dtype == torch.float32
+    _assert_same_grads(layer, reference, device="cpu", dtype=torch.float32)
+    weights, _ = torch.ops.splitgrad.grouped_linear_wgrad(gy, x.bfloat16(), torch.tensor(splits), True)
+    torch.testing.assert_close(layer.weight0.grad, (weights[2] + weights[0]).float(), rtol=0, atol=0)
+    assert not torch.equal(weights[2].float() + weights[0].float(), (weights[2] + weights[0]).float())
+
+
 @pytest.mark.parametrize("linear_delay", [False, True], ids=["linear-regular", "linear-delayed"])
 @pytest.mark.parametrize("grouped_delay", [False, True], ids=["grouped-regular", "grouped-delayed"])
 def test_expert_tied_to_another_layer(linear_delay, grouped_delay):
