@@ -106,9 +106,10 @@ std::array<std::mutex, kGradLockStripes>& grad_lock_stripes() {
 }  // namespace
 
 GradWriteLocks::GradWriteLocks(const std::vector<WgradSinks>& sinks) {
-  TORCH_INTERNAL_ASSERT(!ReferenceBatch::active(),
-                        "gradient locks taken inside a ReferenceBatch, which may hold the GIL: a "
-                        "deadlock with a thread that holds them and waits for the GIL");
+  TORCH_CHECK(!ReferenceBatch::active(),
+              "splitgrad internal error: gradient locks taken inside a ReferenceBatch, which may "
+              "hold the GIL (a deadlock with a thread that holds them and waits for the GIL); "
+              "please report it to splitgrad");
   uint64_t stripes = 0;  // bit s: stripe s is needed
   for (const WgradSinks& sink : sinks) {
     for (const at::Tensor* param : {&sink.weight, &sink.bias}) {
@@ -298,6 +299,12 @@ ReferenceBatch::ReferenceBatch() {
 ReferenceBatch::~ReferenceBatch() { --reference_batch_depth; }
 
 bool ReferenceBatch::active() { return reference_batch_depth > 0; }
+
+ReferenceBatch::Reentry::Reentry() : saved_depth_(reference_batch_depth) {
+  reference_batch_depth = 0;
+}
+
+ReferenceBatch::Reentry::~Reentry() { reference_batch_depth = saved_depth_; }
 
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks, const GradWriteLocks& /*locked*/) {
@@ -678,6 +685,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     const bool check_nan = anomaly_checks_nan();
     std::string nan;
     {
+      const ReferenceBatch::Reentry reentry;
       const GradWriteLocks locked(sinks);
       // As on the deferred path: a .grad that cannot be added to stops the layer before it writes
       // anything (a main_grad, another expert's .grad), where autograd's add would fail midway.
@@ -1133,6 +1141,7 @@ std::vector<at::Tensor> take_targets(std::vector<detail::WgradSinks>& sinks) {
 // cannot be added to, are dropped and reported; then nothing runs and the others go back on the
 // queue (kRequeue) or are dropped too (kDropAll), so one call either runs everything or nothing.
 void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
+  const detail::ReferenceBatch::Reentry reentry;
   auto& in_flight = InFlight::instance();
   const bool drop_all = on_stale == OnStale::kDropAll && items.size() > 1;
   std::vector<std::string> gemms;

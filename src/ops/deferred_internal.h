@@ -187,8 +187,22 @@ class ReferenceBatch {
   ~ReferenceBatch();
   ReferenceBatch(const ReferenceBatch&) = delete;
   ReferenceBatch& operator=(const ReferenceBatch&) = delete;
-  /// Whether the calling thread is inside one (GradWriteLocks asserts it is not).
+  /// Whether the calling thread is inside one (GradWriteLocks checks it is not).
   static bool active();
+  /// At a splitgrad entry point that takes gradient locks (the deferred runner, a backward's
+  /// accumulate): a batch open further out on this thread (Python code that a tensor's finalizer
+  /// ran inside one) is not this call's, and the GIL was released on the way in (the binding, the
+  /// autograd engine), so it does not count for active() until the scope ends.
+  class Reentry {
+   public:
+    Reentry();
+    ~Reentry();
+    Reentry(const Reentry&) = delete;
+    Reentry& operator=(const Reentry&) = delete;
+
+   private:
+    int saved_depth_;
+  };
 
  private:
   std::shared_ptr<void> held_;

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -514,6 +515,35 @@ def test_backward_dw_all_in_threads_while_another_thread_runs_under_a_dispatch_m
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
+
+
+def test_a_finalizer_run_by_backward_dw_may_run_a_fused_backward():
+    """backward_dw() frees an item's stash while it holds the GIL for the references; a finalizer
+    on the stashed input then runs Python, here a fused layer's backward, which takes gradient
+    locks (the autograd engine released the GIL on the way in): it runs, and writes its main_grad
+    as autograd would."""
+    delayed = splitgrad.Linear(4, 4, device="cpu", delay_wgrad_compute=True)
+    fused = splitgrad.Linear(4, 4, device="cpu", fuse_wgrad_accumulation=True)
+    fused.weight.main_grad = torch.zeros(4, 4)
+    fused_input = torch.randn(2, 4)
+    outcome = []
+
+    def run_fused_backward():
+        try:
+            fused(fused_input).sum().backward()
+            outcome.append("ok")
+        except Exception as error:  # reported below: a finalizer's exception is only printed
+            outcome.append(error)
+
+    x = torch.randn(3, 4)
+    weakref.finalize(x, run_fused_backward)
+    delayed(x).sum().backward()
+    del x
+    assert outcome == []
+    delayed.backward_dw()
+    assert outcome == ["ok"]
+    torch.testing.assert_close(fused.weight.main_grad, torch.ones(4, 1) * fused_input.sum(0),
+                               rtol=0, atol=0)
 
 
 def test_a_layer_deleted_by_a_throwing_hook_while_its_item_is_in_flight_reports_the_item_dropped():
