@@ -212,7 +212,7 @@ def wgrad_contenders(d: Data) -> dict[str, Callable[[], object]]:
         "(c) gmm floor": lambda: grouped_mm(d.dy.t(), d.x, d.offs),
         "(d) splitgrad dev": lambda: OPS.grouped_linear_wgrad_accumulate_(d.dy, d.x, d.splits_device, d.main_grads, []),
         "(e) splitgrad cpu": lambda: OPS.grouped_linear_wgrad_accumulate_(d.dy, d.x, d.splits_cpu, d.main_grads, []),
-        "(f) splitgrad fresh": lambda: torch.stack(OPS.grouped_linear_wgrad(d.dy, d.x, d.splits_device, False)[0]),
+        "(f) splitgrad fresh": lambda: OPS.grouped_linear_wgrad(d.dy, d.x, d.splits_device, False)[0],
     }
 
 
@@ -223,6 +223,8 @@ def wgrad_errors(d: Data, fns) -> dict[str, float]:
     for name, fn in fns.items():
         d.zero_()
         out = fn()
+        if name.startswith("(f)"):  # fresh bf16 gradients, one per expert
+            out = torch.stack(out)
         fresh = name.startswith(("(c)", "(f)"))  # a new bf16 result, not main_grad
         errors[name] = relative_error(out if fresh else d.main_grad, want)
     d.zero_()

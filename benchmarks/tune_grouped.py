@@ -9,12 +9,12 @@ others are then reported as skipped):
     SPLITGRAD_CMAKE_ARGS=-DSPLITGRAD_GROUPED_GEMM_TUNING=ON bash scripts/gpu_run.sh build
     bash scripts/gpu_run.sh python benchmarks/tune_grouped.py --out out
 
-Pass 1 times, per shape and product (fprop, dgrad, wgrad into fp32 main_grad), the shipped kernel
-("default"), every variant (SPLITGRAD_GROUPED_GEMM_VARIANT=<name>) and PyTorch's contenders. Pass 2
-times the pass-1 winner under each raster order and swizzle of CUTLASS's persistent scheduler
-(SPLITGRAD_GROUPED_GEMM_RASTER=m|n, SPLITGRAD_GROUPED_GEMM_SWIZZLE=1|2|4|8). A variant that cannot
-run raises (a tuning build never times the fallback loop in its place) and is reported as skipped.
-Every result is checked against an fp32 reference before timing.
+Pass 1 times, per shape and product (fprop, dgrad, wgrad into fp32 main_grad, wgrad_bf16 into fresh
+bf16 gradients), the shipped kernel ("default"), every variant (SPLITGRAD_GROUPED_GEMM_VARIANT=<name>)
+and PyTorch's contenders. Pass 2 times the pass-1 winner under each raster order and swizzle of
+CUTLASS's persistent scheduler (SPLITGRAD_GROUPED_GEMM_RASTER=m|n, SPLITGRAD_GROUPED_GEMM_SWIZZLE=1|2|4|8).
+A variant that cannot run raises (a tuning build never times the fallback loop in its place) and is
+reported as skipped. Every result is checked against an fp32 reference before timing.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def tuning_variants(cmake: pathlib.Path = SM90_CMAKE) -> dict[str, list[str]]:
     listed = re.search(r"set\(variants\n(.*?)\)\n", cmake.read_text(), re.S)
     if listed is None:
         raise RuntimeError(f"{cmake}: no set(variants ...) list")
-    variants = {"fprop": [], "dgrad": [], "wgrad": []}
+    variants = {"fprop": [], "dgrad": [], "wgrad": [], "wgrad_bf16": []}
     for name, product in re.findall(r'"(\S+) (\S+) ', listed.group(1)):
         variants["wgrad" if product == "wgrad_fp32" else product].append(name)
     return variants
@@ -79,6 +79,9 @@ def products(d: Data) -> dict[str, tuple[dict[str, Callable[[], object]], Callab
     bench_grouped.py's contenders, each returning its result."""
     fd, wg = fprop_dgrad_contenders(d), wgrad_contenders(d)
 
+    def wgrad_reference():
+        return torch.stack([dy.float().t() @ x.float() for dy, x in zip(d.dys, d.xs)])
+
     def into_main_grad(fn):
         return lambda: (fn(), d.main_grad)[1]
 
@@ -88,8 +91,8 @@ def products(d: Data) -> dict[str, tuple[dict[str, Callable[[], object]], Callab
         "dgrad": ({"loop": fd["dgrad loop"], "grouped_mm": fd["dgrad gmm"]}, fd["dgrad splitgrad dev"],
                   lambda: torch.cat([dy.float() @ w.float() for dy, w in zip(d.dys, d.ws)])),
         "wgrad": ({"addmm loop": into_main_grad(wg["(a) addmm loop"]), "gmm floor": wg["(c) gmm floor"]},
-                  into_main_grad(wg["(d) splitgrad dev"]),
-                  lambda: torch.stack([dy.float().t() @ x.float() for dy, x in zip(d.dys, d.xs)])),
+                  into_main_grad(wg["(d) splitgrad dev"]), wgrad_reference),
+        "wgrad_bf16": ({"gmm floor": wg["(c) gmm floor"]}, wg["(f) splitgrad fresh"], wgrad_reference),
     }
 
 
@@ -98,6 +101,8 @@ def checked(name: str, fn, d: Data, want: torch.Tensor, product: str, errors: di
     out = fn()
     if product == "wgrad" and name.startswith("gmm"):
         return
+    if isinstance(out, (list, tuple)):  # splitgrad's fresh gradients, one per expert
+        out = torch.stack(out)
     errors[name] = relative_error(out, want)
     if errors[name] > 2e-2:
         raise RuntimeError(f"{name}: max relative error {errors[name]:.2e} against fp32")
@@ -106,7 +111,8 @@ def checked(name: str, fn, d: Data, want: torch.Tensor, product: str, errors: di
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=None, help="comma-separated shape names (default: all)")
-    parser.add_argument("--products", default="fprop,dgrad,wgrad")
+    parser.add_argument("--products", default="fprop,dgrad,wgrad,wgrad_bf16",
+                        help="wgrad: into fp32 main_grads; wgrad_bf16: into fresh bf16 .grads")
     parser.add_argument("--min-ms", type=float, default=40.0, help="device time per contender, at least")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None)

@@ -122,9 +122,10 @@ def test_tune_grouped_times_every_variant_the_tuning_build_compiles(tmp_path):
         sys.path.remove(str(ROOT / "benchmarks"))
     cmake = (ROOT / "src" / "cuda" / "sm90" / "CMakeLists.txt").read_text()
     entries = cmake[cmake.index("set(variants"):cmake.index("foreach(variant")].count('"') // 2
-    names = [name for product in ("fprop", "dgrad", "wgrad") for name in tune.VARIANTS[product]]
+    prefixes = {"fprop": "f_", "dgrad": "d_", "wgrad": "w_", "wgrad_bf16": "wb_"}
+    names = [name for product in prefixes for name in tune.VARIANTS[product]]
     assert len(names) == entries == len(set(names)) and all(tune.VARIANTS.values()), tune.VARIANTS
-    assert all(name.startswith(product[0] + "_") for product, listed in tune.VARIANTS.items() for name in listed)
+    assert all(name.startswith(prefixes[product]) for product, listed in tune.VARIANTS.items() for name in listed)
     empty = tmp_path / "CMakeLists.txt"
     empty.write_text("# no variants\n")
     with pytest.raises(RuntimeError, match="no set\\(variants"):

@@ -35,11 +35,15 @@ constexpr GroupedProduct kProduct = GroupedProduct::dgrad;
 using LayoutA = cutlass::layout::RowMajor;
 using LayoutB = cutlass::layout::RowMajor;
 using ElementD = Bf16;
-#else
+#else  // wgrad_fp32, wgrad_bf16
 constexpr GroupedProduct kProduct = GroupedProduct::wgrad_accumulate;
 using LayoutA = cutlass::layout::ColumnMajor;
 using LayoutB = cutlass::layout::RowMajor;
+#if defined(SPLITGRAD_VARIANT_PRODUCT_wgrad_bf16)
+using ElementD = Bf16;
+#else
 using ElementD = float;
+#endif
 #endif
 
 #if defined(SPLITGRAD_VARIANT_EPILOGUE_TILE)
