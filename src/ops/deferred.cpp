@@ -6,6 +6,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/FunctionRef.h>
 #include <c10/util/StringUtil.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -215,8 +216,10 @@ std::function<void(const at::Tensor&)> main_grad_accumulated_callback() {
   std::lock_guard<std::mutex> lock(main_grad_callback().mutex);
   return main_grad_callback().callback;
 }
-}  // namespace
 
+// Tells the callback set by set_main_grad_accumulated_callback(), if any, of each of `sinks`'
+// parameters with a main_grad (after an accumulate, with the locks released: the callback may take
+// others, the GIL).
 void notify_main_grads_accumulated(const std::vector<WgradSinks>& sinks) {
   const auto callback = main_grad_accumulated_callback();  // read once for all sinks
   if (!callback) return;
@@ -225,6 +228,7 @@ void notify_main_grads_accumulated(const std::vector<WgradSinks>& sinks) {
     if (sink.bias.defined() && sink.bias_main_grad.defined()) callback(sink.bias);
   }
 }
+}  // namespace
 
 namespace {
 std::atomic<MainGradSource>& main_grad_source() {
@@ -574,21 +578,20 @@ bool defers_wgrad(bool delay, core::LayerId layer) {
   return delay && WgradStore::instance().is_registered(layer);
 }
 
+namespace {
+// Whether anomaly detection with check_nan is on (torch.autograd.set_detect_anomaly(True)).
 bool anomaly_checks_nan() {
   return torch::autograd::AnomalyMode::is_enabled() &&
          torch::autograd::AnomalyMode::should_check_nan();
 }
 
-namespace {
 // The gradient buffer a sink's parameter gets: its main_grad, else its .grad (maybe undefined).
 at::Tensor written_buffer(const at::Tensor& param, const at::Tensor& main_grad) {
   return !param.defined() ? at::Tensor() : main_grad.defined() ? main_grad : param.grad();
 }
 
 bool has_nan(const at::Tensor& t) { return t.defined() && at::isnan(t).any().item<bool>(); }
-}  // namespace
 
-namespace {
 // The first .grad of `sinks`' parameters that cannot take an in-place add, as AccumulateGrad's
 // would fail on it (an inference tensor, an expanded one): "the .grad of bias1: it is an
 // inference tensor ..." ("bias1" with `numbered`, else "bias"), or "" if none.
@@ -618,8 +621,9 @@ std::string unwritable_grad(const std::vector<WgradSinks>& sinks, bool numbered)
   }
   return "";
 }
-}  // namespace
 
+// For each of `sinks`, whether its weight's and its bias's gradient buffer (main_grad, else .grad)
+// holds a nan now: [weight0, bias0, weight1, ...]. Reads the values (a sync).
 std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks) {
   std::vector<bool> flags;
   for (const WgradSinks& sink : sinks) {
@@ -629,6 +633,8 @@ std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks) {
   return flags;
 }
 
+// A message naming the first of `sinks`' gradient buffers that holds a nan after `what` wrote it
+// and did not before (`had_nan`, from nan_flags), or "" if none; "weight2" with `numbered`.
 std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
                          const std::vector<WgradSinks>& sinks, const std::vector<bool>& had_nan,
                          bool numbered, const char* what) {
@@ -647,6 +653,28 @@ std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
   }
   return std::string();
 }
+
+// Adds one GEMM's weight and bias gradients to `sinks`, the same way on the fused path and in
+// backward_dw(): under one hold of their GradWriteLocks, `check_writable` (throws before anything
+// is written), the nan flags where `check_nan`, `accumulate`, the nan check; the main_grad callback
+// after the unlock. Returns the nan message ("" if none) for the caller to raise once it has
+// settled its own state; `what` names the writer in it.
+std::string add_to_sinks(core::LayerId layer, const std::string& gemm,
+                         const std::vector<WgradSinks>& sinks, bool numbered, bool check_nan,
+                         const char* what, c10::function_ref<void()> check_writable,
+                         c10::function_ref<void(const GradWriteLocks&)> accumulate) {
+  std::string nan;
+  {
+    const GradWriteLocks locked(sinks);
+    check_writable();
+    const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
+    accumulate(locked);
+    if (check_nan) nan = nan_in_sinks(layer, gemm, sinks, had_nan, numbered, what);
+  }
+  notify_main_grads_accumulated(sinks);
+  return nan;
+}
+}  // namespace
 
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
@@ -682,29 +710,26 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   auto& ledger = GradLedger::instance();
   if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
     ledger.note_autograd_contribution(item.targets(), pass.id());
-    const bool check_nan = anomaly_checks_nan();
-    std::string nan;
-    {
-      const ReferenceBatch::Reentry reentry;
-      const GradWriteLocks locked(sinks);
-      // As on the deferred path: a .grad that cannot be added to stops the layer before it writes
-      // anything (a main_grad, another expert's .grad), where autograd's add would fail midway.
-      const std::string unwritable = unwritable_grad(sinks, grouped);
-      TORCH_CHECK(unwritable.empty(), layer_label(layer, gemm),
-                  ": the fused weight gradient cannot add to ", unwritable,
-                  ". None of this GEMM's weight and bias gradients was written. Set a .grad of its "
-                  "own, made outside inference mode (p.grad = p.grad.clone()).");
-      const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
-      if (grouped) {
-        accumulate_grouped_wgrad(grad_output, input, m_splits, sinks, locked);
-      } else {
-        accumulate_wgrad(grad_output, input, sinks[0], locked);
-      }
-      if (check_nan) {
-        nan = nan_in_sinks(layer, gemm, sinks, had_nan, grouped, "the fused weight gradient");
-      }
-    }
-    notify_main_grads_accumulated(sinks);
+    const ReferenceBatch::Reentry reentry;
+    const std::string nan = add_to_sinks(
+        layer, gemm, sinks, grouped, anomaly_checks_nan(), "the fused weight gradient",
+        [&] {
+          // As on the deferred path: a .grad that cannot be added to stops the layer before it
+          // writes anything (a main_grad, another expert's .grad), where autograd's add would
+          // fail midway.
+          const std::string unwritable = unwritable_grad(sinks, grouped);
+          TORCH_CHECK(unwritable.empty(), layer_label(layer, gemm),
+                      ": the fused weight gradient cannot add to ", unwritable,
+                      ". None of this GEMM's weight and bias gradients was written. Set a .grad "
+                      "of its own, made outside inference mode (p.grad = p.grad.clone()).");
+        },
+        [&](const GradWriteLocks& locked) {
+          if (grouped) {
+            accumulate_grouped_wgrad(grad_output, input, m_splits, sinks, locked);
+          } else {
+            accumulate_wgrad(grad_output, input, sinks[0], locked);
+          }
+        });
     TORCH_CHECK(nan.empty(), nan);
     return;
   }
@@ -1230,22 +1255,26 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
     // Anomaly detection: a nan this item brings into a gradient stops it before it lands (its
     // pass's hooks do not fire), as autograd's check stops a backward before AccumulateGrad. A
     // gradient that held a nan before is not blamed on it.
-    const bool check_nan = item.check_nan || detail::anomaly_checks_nan();
     std::string nan;
     try {
-      {
-        // The .grads are read (checked, nan flags) and written under one hold of their locks.
-        const detail::GradWriteLocks locked(sinks);
-        const std::vector<bool> had_nan =
-            check_nan ? detail::nan_flags(sinks) : std::vector<bool>();
-        if (!checks_grads_first) {
-          const std::string unwritable = unwritable_grad_reason(item, sinks);
-          TORCH_CHECK(unwritable.empty(), unwritable);
-        }
-        const AutocastAsQueued autocast(item);
-        if (item.groups.empty()) {
-          const detail::WgradSinks& single = sinks.front();
-          if (single.weight.defined() || single.bias.defined()) {
+      nan = detail::add_to_sinks(
+          item.layer, item.gemm, sinks, !item.groups.empty(),
+          item.check_nan || detail::anomaly_checks_nan(),
+          "backward_dw() (the deferred weight gradient)",
+          [&] {
+            if (checks_grads_first) return;  // checked before any item ran
+            const std::string unwritable = unwritable_grad_reason(item, sinks);
+            TORCH_CHECK(unwritable.empty(), unwritable);
+          },
+          [&](const detail::GradWriteLocks& locked) {
+            const AutocastAsQueued autocast(item);
+            if (!item.groups.empty()) {
+              detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks,
+                                               locked);
+              return;
+            }
+            const detail::WgradSinks& single = sinks.front();
+            if (!single.weight.defined() && !single.bias.defined()) return;  // both freed
             // The GEMM's input, recomputed from the stashed activation input only now and freed
             // right after the GEMM (the same kernels on the same tensor: the forward's bit for
             // bit). Without grad mode: the stash requires grad, and backward_dw() may run with
@@ -1256,17 +1285,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
               return ops::activation(item.input, item.input_activation);
             }();
             detail::accumulate_wgrad(item.grad_output, input, single, locked);
-          }
-        } else {
-          detail::accumulate_grouped_wgrad(item.grad_output, item.input, item.m_splits, sinks,
-                                           locked);
-        }
-        if (check_nan) {
-          nan = detail::nan_in_sinks(item.layer, item.gemm, sinks, had_nan, !item.groups.empty(),
-                                     "backward_dw() (the deferred weight gradient)");
-        }
-      }
-      detail::notify_main_grads_accumulated(sinks);
+          });
     } catch (...) {
       keep_until_read(item);  // some of its kernels may have been enqueued
       drop(item);

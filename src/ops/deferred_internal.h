@@ -91,7 +91,7 @@ class GradWriteLocks {
 
 /// Adds dW = dyᵀ·x and db = Σ dy to their sinks (`+=`, never `=`); a parameter without a .grad gets
 /// one, as AccumulateGrad would give it. `locked`: the caller holds the sinks' locks (its checks
-/// of their .grads and these writes under one hold); notify_main_grads_accumulated() after it.
+/// of their .grads and these writes under one hold; deferred.cpp's add_to_sinks).
 void accumulate_wgrad(const at::Tensor& grad_output, const at::Tensor& input,
                       const WgradSinks& sinks, const GradWriteLocks& locked);
 
@@ -133,17 +133,6 @@ bool defers_wgrad(bool delay, core::LayerId layer);
 /// tracing placeholders. `input_activation` (linear only, with `delay`): `input` is the
 /// activation's input, and backward_dw() recomputes the GEMM's input act(input) right before its
 /// GEMM. `gemm` names the GEMM in a module with several ("fc1"), for backward_dw()'s messages.
-/// Whether anomaly detection with check_nan is on (torch.autograd.set_detect_anomaly(True)).
-bool anomaly_checks_nan();
-/// For each of `sinks`, whether its weight's and its bias's gradient buffer (main_grad, else
-/// .grad) holds a nan now: [weight0, bias0, weight1, ...]. Reads the values (a sync).
-std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks);
-/// A message naming the first of `sinks`' gradient buffers that holds a nan after `what` wrote it
-/// and did not before (`had_nan`, from nan_flags), or "" if none; "weight2" with `numbered`.
-std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
-                         const std::vector<WgradSinks>& sinks, const std::vector<bool>& had_nan,
-                         bool numbered, const char* what);
-
 void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad_output,
                          const at::Tensor& input, const at::Tensor& m_splits,
                          const std::vector<WgradSinks>& sinks, const char* module,
@@ -152,11 +141,6 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);
-
-/// Tells the callback set by set_main_grad_accumulated_callback(), if any, of each of `sinks`'
-/// parameters with a main_grad (after an accumulate, with the locks released: the callback may
-/// take others, the GIL).
-void notify_main_grads_accumulated(const std::vector<WgradSinks>& sinks);
 
 /// The main_grads of `params` (undefined entries stay undefined) for a layer that reads them in its
 /// backward (the ops' lazy_main_grad), as Transformer Engine does: Megatron-FSDP allocates
