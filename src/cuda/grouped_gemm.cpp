@@ -25,18 +25,21 @@ struct Kernel {
   size_t (*workspace_bytes)(const GroupedGemmArgs&) = nullptr;
 };
 
-// The fp32 wgrad's schedule, from benchmarks/tune_grouped.py on the H200 (BENCHMARKS.md,
-// "GroupedLinear"), both walking tiles along N: ping-pong (one warp group's fp32 epilogue
-// overlapping the other's main loop) wins while the groups average 1024 rows or more (0.76-0.94x
-// the per-expert addmm loop, against cooperative's 0.81-1.10x); cooperative's 128x256 tile once
-// they are short (32 experts of 512 rows on average: 0.82x against 0.86x), each tile's fixed
-// cost then weighing more than the overlap. SPLITGRAD_GROUPED_WGRAD_SCHEDULE=
-// pingpong|cooperative forces one.
+// The fp32 wgrad's schedule, from benchmarks/tune_grouped.py (BENCHMARKS.md, "GroupedLinear").
+// Ping-pong overlaps one warp group's epilogue (main_grad's fp32 read-modify-write) with the
+// other's main loop. On the H200 (HBM3e, 4.8 TB/s) it wins on every benchmark shape:
+// dsv3-gate-up-32, 32 experts of 512 rows on average, 0.774x the per-expert addmm loop against
+// cooperative's 0.869x (2026-12-07). On the H100 (3.35 TB/s) the epilogue of short experts
+// outlasts the other group's main loop, and cooperative's 128x256 tile wins there once the groups
+// average under 768 rows (0.849x against 0.911x on that shape, 2026-12-06); ping-pong above. An
+// unknown bandwidth is taken as the H100's. SPLITGRAD_GROUPED_WGRAD_SCHEDULE=pingpong|cooperative
+// forces one.
 bool cooperative_fp32_wgrad(const GroupedGemmArgs& args) {
   const char* forced = std::getenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE");
   if (forced != nullptr && std::strcmp(forced, "cooperative") == 0) return true;
   if (forced != nullptr && std::strcmp(forced, "pingpong") == 0) return false;
-  return args.rows < 768 * args.groups;
+  constexpr double kEpilogueKeepsUp = 4e12;  // bytes per second: between the H100's and H200's
+  return args.memory_bytes_per_second < kEpilogueKeepsUp && args.rows < 768 * args.groups;
 }
 
 #ifdef SPLITGRAD_GROUPED_GEMM_TUNING

@@ -68,6 +68,8 @@ struct GroupedGemmArgs {
   uint64_t* table = nullptr;
   void* workspace = nullptr;  ///< grouped_gemm_workspace_bytes(*this) bytes, 256-byte aligned
   int multiprocessors = 1;    ///< SMs the persistent kernel may use
+  /// The device's peak DRAM bandwidth (0: unknown): the fp32 wgrad's schedule depends on it.
+  double memory_bytes_per_second = 0;
 };
 
 /// Whether this build has the grouped kernels (compiled for sm_90a) and the device runs them.

@@ -11,6 +11,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 
 #include "aten/linear_aten.h"
@@ -193,6 +195,25 @@ int multiprocessors_of(const at::Tensor& like) {
   return at::cuda::getDeviceProperties(like.device().index())->multiProcessorCount;
 }
 
+// The peak DRAM bandwidth of `like`'s device in bytes per second (double data rate over the bus),
+// or 0 where the runtime does not say; queried once per device.
+double memory_bandwidth_of(const at::Tensor& like) {
+  static std::array<std::atomic<double>, 64> known{};  // 0: not queried yet, or unknown
+  const int device = like.device().index();
+  if (device < 0 || device >= static_cast<int>(known.size())) return 0;
+  double bandwidth = known[device].load(std::memory_order_relaxed);
+  if (bandwidth > 0) return bandwidth;
+  int kilohertz = 0, bus_bits = 0;
+  if (cudaDeviceGetAttribute(&kilohertz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  bandwidth = 2.0 * kilohertz * 1e3 * bus_bits / 8;
+  known[device].store(bandwidth, std::memory_order_relaxed);
+  return bandwidth;
+}
+
 // A grouped product's arguments, less the table's pointers (splits, weights or targets) and the
 // workspace, which come with the group table.
 cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, int64_t groups, int64_t rows,
@@ -204,6 +225,7 @@ cuda::GroupedGemmArgs grouped_args(cuda::GroupedProduct product, int64_t groups,
   args.in_features = in;
   args.out_features = out;
   args.multiprocessors = multiprocessors_of(like);
+  args.memory_bytes_per_second = memory_bandwidth_of(like);
   return args;
 }
 
