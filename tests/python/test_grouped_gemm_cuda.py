@@ -34,6 +34,11 @@ SPLITS = {
     "few-large": [1024, 2048, 16, 1200, 1100, 1500, 1024, 1312],
 }
 
+# The fp32 wgrad has two kernels, picked by the experts' average rows and the device's bandwidth
+# (src/cuda/grouped_gemm.cpp): each is forced in the main_grad tests, so both stay tested on any
+# Hopper.
+WGRAD_SCHEDULES = ["shipped-choice", "pingpong", "cooperative"]
+
 
 def _layer(n=8, dtype=torch.bfloat16, in_features=IN, out_features=OUT, **kw):
     torch.manual_seed(0)
@@ -89,11 +94,15 @@ def test_delayed_equals_immediate_bit_for_bit(bias):
         torch.testing.assert_close(delayed, immediate, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("schedule", WGRAD_SCHEDULES)
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
 @pytest.mark.parametrize("splits", list(SPLITS.values()), ids=list(SPLITS))
-def test_fused_main_grad_fp32(bias, splits):
+def test_fused_main_grad_fp32(bias, splits, schedule, monkeypatch):
     """bf16 experts, fp32 main_grad with an earlier value: each expert's sum is added in fp32 in the
-    GEMM's epilogue; closer to float64 than PyTorch's bf16 gradient added to it."""
+    GEMM's epilogue; closer to float64 than PyTorch's bf16 gradient added to it. Each fp32 wgrad
+    kernel forced in turn (SPLITGRAD_GROUPED_WGRAD_SCHEDULE), besides the one the layer picks."""
+    if schedule != "shipped-choice":
+        monkeypatch.setenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE", schedule)
     layer = _layer(bias=bias, delay_wgrad_compute=True, fuse_wgrad_accumulation=True)
     for p in layer.parameters():
         p.main_grad = torch.randn(p.shape, device="cuda")
@@ -113,15 +122,21 @@ def test_fused_main_grad_fp32(bias, splits):
             torch.testing.assert_close(p.main_grad, start[name], rtol=0, atol=0)
 
 
-def test_fused_main_grad_matches_fp32_per_expert_sums():
+@pytest.mark.parametrize("schedule", WGRAD_SCHEDULES)
+@pytest.mark.parametrize("features", [(256, 512), (512, 256)], ids=["out>in", "in>out"])
+def test_fused_main_grad_matches_fp32_per_expert_sums(schedule, features, monkeypatch):
     """The fp32 accumulation itself: main_grad += dyᵀ·x in fp32 equals the per-expert fp32 product
-    of the same bf16 values to fp32 rounding."""
+    of the same bf16 values to fp32 rounding, with either kernel and tile order (along M where
+    in > out, along N otherwise)."""
+    if schedule != "shipped-choice":
+        monkeypatch.setenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE", schedule)
+    in_features, out_features = features
     layer = _layer(bias=True, delay_wgrad_compute=True, fuse_wgrad_accumulation=True,
-                   in_features=256, out_features=512)
+                   in_features=in_features, out_features=out_features)
     for p in layer.parameters():
         p.main_grad = torch.zeros(p.shape, device="cuda")
     splits = [700, 0, 31, 1, 129, 0, 64, 99]
-    x, gy = _data(splits, 256, 512)
+    x, gy = _data(splits, in_features, out_features)
     _run(layer, x, gy, torch.tensor(splits, device="cuda"))
     offset = 0
     for i, rows in enumerate(splits):
