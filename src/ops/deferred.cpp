@@ -634,7 +634,8 @@ std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks) {
 }
 
 // A message naming the first of `sinks`' gradient buffers that holds a nan after `what` wrote it
-// and did not before (`had_nan`, from nan_flags), or "" if none; "weight2" with `numbered`.
+// and did not before (`had_nan`, from nan_flags), or "" if none; "weight2" with `numbered`. The
+// caller puts the buffers back (BuffersBefore), as the message says.
 std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
                          const std::vector<WgradSinks>& sinks, const std::vector<bool>& had_nan,
                          bool numbered, const char* what) {
@@ -645,20 +646,65 @@ std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
               sinks[i].weight, sinks[i].weight_main_grad, "weight", 2 * i},
           {sinks[i].bias, sinks[i].bias_main_grad, "bias", 2 * i + 1}}) {
       if (had_nan[slot] || !has_nan(written_buffer(param, main_grad))) continue;
-      return c10::str(layer_label(layer, gemm), ": ", what, " wrote nan values into ", name, suffix,
-                      "'s ", main_grad.defined() ? "main_grad" : ".grad",
+      return c10::str(layer_label(layer, gemm), ": ", what, " brought nan values into ", name,
+                      suffix, "'s ", main_grad.defined() ? "main_grad" : ".grad",
                       " (anomaly detection with check_nan=True, which plain autograd reports as a "
-                      "backward Function that \"returned nan values\")");
+                      "backward Function that \"returned nan values\"). None of this GEMM's "
+                      "weight and bias gradients was added: every .grad and main_grad it writes "
+                      "holds its value from before, as autograd raises before accumulating.");
     }
   }
   return std::string();
 }
 
+// The gradient buffers a write to `sinks` may change, as they were before it (a copy of each
+// main_grad, each .grad object and a copy of its values), to put back where the write brought a
+// nan: anomaly detection stops plain autograd before its AccumulateGrad adds such a gradient.
+class BuffersBefore {
+ public:
+  explicit BuffersBefore(const std::vector<WgradSinks>& sinks) {
+    for (const WgradSinks& sink : sinks) {
+      keep(sink.weight, sink.weight_main_grad);
+      keep(sink.bias, sink.bias_main_grad);
+    }
+  }
+
+  void put_back() const {
+    for (const Buffer& buffer : buffers_) {
+      if (buffer.main_grad.defined()) {
+        buffer.main_grad.copy_(buffer.values);
+        continue;
+      }
+      // A strided .grad was added to in place; a sparse one was replaced by the dense sum.
+      if (buffer.grad.defined() && buffer.grad.layout() == at::kStrided) {
+        buffer.grad.copy_(buffer.values);
+      }
+      buffer.param.mutable_grad() = buffer.grad;  // undefined again where it was
+    }
+  }
+
+ private:
+  struct Buffer {
+    at::Tensor param, main_grad, grad, values;
+  };
+
+  void keep(const at::Tensor& param, const at::Tensor& main_grad) {
+    if (!param.defined()) return;  // freed: nothing is written
+    Buffer buffer{param, main_grad, main_grad.defined() ? at::Tensor() : param.grad(), {}};
+    const at::Tensor& written = main_grad.defined() ? main_grad : buffer.grad;
+    if (written.defined()) buffer.values = written.clone();
+    buffers_.push_back(std::move(buffer));
+  }
+
+  std::vector<Buffer> buffers_;
+};
+
 // Adds one GEMM's weight and bias gradients to `sinks`, the same way on the fused path and in
 // backward_dw(): under one hold of their GradWriteLocks, `check_writable` (throws before anything
-// is written), the nan flags where `check_nan`, `accumulate`, the nan check; the main_grad callback
-// after the unlock. Returns the nan message ("" if none) for the caller to raise once it has
-// settled its own state; `what` names the writer in it.
+// is written), then `accumulate`, with the anomaly check where `check_nan` (a nan the write brings
+// is reported, and the buffers put back as they were); the main_grad callback after the unlock,
+// where the gradients landed. Returns the nan message ("" if none) for the caller to raise once
+// it has settled its own state; `what` names the writer in it.
 std::string add_to_sinks(core::LayerId layer, const std::string& gemm,
                          const std::vector<WgradSinks>& sinks, bool numbered, bool check_nan,
                          const char* what, c10::function_ref<void()> check_writable,
@@ -667,11 +713,17 @@ std::string add_to_sinks(core::LayerId layer, const std::string& gemm,
   {
     const GradWriteLocks locked(sinks);
     check_writable();
-    const std::vector<bool> had_nan = check_nan ? nan_flags(sinks) : std::vector<bool>();
-    accumulate(locked);
-    if (check_nan) nan = nan_in_sinks(layer, gemm, sinks, had_nan, numbered, what);
+    if (!check_nan) {
+      accumulate(locked);
+    } else {
+      const std::vector<bool> had_nan = nan_flags(sinks);
+      const BuffersBefore before(sinks);
+      accumulate(locked);
+      nan = nan_in_sinks(layer, gemm, sinks, had_nan, numbered, what);
+      if (!nan.empty()) before.put_back();
+    }
   }
-  notify_main_grads_accumulated(sinks);
+  if (nan.empty()) notify_main_grads_accumulated(sinks);
   return nan;
 }
 }  // namespace

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -615,6 +616,36 @@ TEST_F(LinearTest, FusedMainGradAccumulates) {
     splitgrad::set_main_grad(fc->weight, {});
     EXPECT_FALSE(splitgrad::main_grad(fc->weight).defined());
   }
+}
+
+// Anomaly detection stops plain autograd before AccumulateGrad adds a nan gradient: a deferred
+// item that brings one is reported, and its main_grads are put back and not announced.
+TEST_F(LinearTest, AnomalyModeNanLeavesMainGradAsBeforeAndUnannounced) {
+  Linear fc(opts(16, 8).delay_wgrad_compute(true).fuse_wgrad_accumulation(true).name("fc_nan"));
+  const torch::Tensor w_main = torch::randn({8, 16}), b_main = torch::randn({8});
+  splitgrad::set_main_grad(fc->weight, w_main);
+  splitgrad::set_main_grad(fc->bias, b_main);
+  const torch::Tensor w_before = w_main.clone(), b_before = b_main.clone();
+  std::vector<const c10::TensorImpl*> accumulated;
+  splitgrad::set_main_grad_accumulated_callback(
+      [&](const at::Tensor& param) { accumulated.push_back(param.unsafeGetTensorImpl()); });
+  std::string msg;
+  {
+    torch::autograd::DetectAnomalyGuard anomaly(/*check_nan=*/true);
+    torch::Tensor x = torch::randn({4, 16});
+    x[1][3] = std::numeric_limits<float>::quiet_NaN();  // masked in the output: dW alone sees it
+    fc(x).nan_to_num(0.0).sum().backward();
+    msg = error_message([&] { fc->backward_dw(); });
+  }
+  splitgrad::set_main_grad_accumulated_callback({});
+  EXPECT_CONTAINS(msg, "fc_nan");
+  EXPECT_CONTAINS(msg, "brought nan values into weight's main_grad");
+  EXPECT_TRUE(torch::equal(w_main, w_before)) << "put back as it was";
+  EXPECT_TRUE(torch::equal(b_main, b_before));
+  EXPECT_TRUE(accumulated.empty()) << "nothing landed, nothing announced";
+  EXPECT_EQ(splitgrad::pending_wgrads(), 0);
+  splitgrad::set_main_grad(fc->weight, {});
+  splitgrad::set_main_grad(fc->bias, {});
 }
 
 TEST_F(LinearTest, FusedMainGradBf16AccumulatesInFp32) {

@@ -799,6 +799,12 @@ def test_anomaly_detection_reports_a_nan_weight_gradient(kind, mode):
         if kind in ("Linear", "GroupedLinear"):  # (a norm's backward sees the nan first in the others)
             assert ("backward_dw()" if delay else "the fused weight gradient") in message
             assert module.name in message
+            # as autograd, which raises before AccumulateGrad: nothing of the nan gradient landed
+            for name, p in module.named_parameters():
+                if fused:
+                    assert torch.equal(p.main_grad, torch.zeros_like(p)), name
+                else:
+                    assert p.grad is None, name
         del info, module  # the traceback holds the module; a norm's error left an item queued
         gc.collect()
     assert splitgrad.pending_wgrads() == 0
@@ -852,8 +858,11 @@ def test_anomaly_detection_blames_only_a_nan_a_gradient_did_not_hold_before(fuse
         bad[1, 2] = float("nan")
         layer(bad).nan_to_num(0.0).sum().backward()
         layer(torch.randn(4, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"backward_dw\(\) .* wrote nan values into weight's " + ("main_grad" if fused else ".grad")):
+    before = [(p.main_grad if fused else p.grad).clone() for p in layer.parameters()]
+    with pytest.raises(RuntimeError, match=r"backward_dw\(\) .* brought nan values into weight's " + ("main_grad" if fused else ".grad")):
         layer.backward_dw()
+    for p, held in zip(layer.parameters(), before):  # put back: autograd raises before accumulating
+        torch.testing.assert_close(p.main_grad if fused else p.grad, held, rtol=0, atol=0, equal_nan=True)
     assert len(fired) == 2, "the pass with the nan fires no grad-ready hook"
     assert splitgrad.pending_wgrads() == 1
     with warnings.catch_warnings():
