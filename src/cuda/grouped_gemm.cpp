@@ -30,15 +30,17 @@ struct Kernel {
 // other's main loop. On the H200 (HBM3e, 4.8 TB/s) it wins on every benchmark shape:
 // dsv3-gate-up-32, 32 experts of 512 rows on average, 0.774x the per-expert addmm loop against
 // cooperative's 0.869x (2026-12-07). On the H100 (3.35 TB/s) the epilogue of short experts
-// outlasts the other group's main loop, and cooperative's 128x256 tile wins there once the groups
-// average under 768 rows (0.849x against 0.911x on that shape, 2026-12-06); ping-pong above. An
-// unknown bandwidth is taken as the H100's. SPLITGRAD_GROUPED_WGRAD_SCHEDULE=pingpong|cooperative
-// forces one.
+// outlasts the other group's main loop: cooperative's 128x256 tile won there on that shape (0.849x
+// against 0.911x, 2026-12-06), so devices below 4.4 TB/s (the H100s, the H20, GH200's 96 GB
+// part, none measured but the H100 SXM) keep the choice tuned before: cooperative while the groups
+// average under 768 rows, ping-pong above (on the H100 within a few percent of each other there).
+// An unknown bandwidth is taken as the H100's. SPLITGRAD_GROUPED_WGRAD_SCHEDULE=
+// pingpong|cooperative forces one.
 bool cooperative_fp32_wgrad(const GroupedGemmArgs& args) {
   const char* forced = std::getenv("SPLITGRAD_GROUPED_WGRAD_SCHEDULE");
   if (forced != nullptr && std::strcmp(forced, "cooperative") == 0) return true;
   if (forced != nullptr && std::strcmp(forced, "pingpong") == 0) return false;
-  constexpr double kEpilogueKeepsUp = 4e12;  // bytes per second: between the H100's and H200's
+  constexpr double kEpilogueKeepsUp = 4.4e12;  // bytes per second: between the H100s and the H200
   return args.memory_bytes_per_second < kEpilogueKeepsUp && args.rows < 768 * args.groups;
 }
 

@@ -198,20 +198,23 @@ int multiprocessors_of(const at::Tensor& like) {
 // The peak DRAM bandwidth of `like`'s device in bytes per second (double data rate over the bus),
 // or 0 where the runtime does not say; queried once per device.
 double memory_bandwidth_of(const at::Tensor& like) {
-  static std::array<std::atomic<double>, 64> known{};  // 0: not queried yet, or unknown
+  static std::array<std::atomic<double>, 64> known{};  // 0: not queried yet; -1: unknown
   const int device = like.device().index();
   if (device < 0 || device >= static_cast<int>(known.size())) return 0;
   double bandwidth = known[device].load(std::memory_order_relaxed);
-  if (bandwidth > 0) return bandwidth;
-  int kilohertz = 0, bus_bits = 0;
-  if (cudaDeviceGetAttribute(&kilohertz, cudaDevAttrMemoryClockRate, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
+  if (bandwidth == 0) {
+    int kilohertz = 0, bus_bits = 0;
+    const bool queried =
+        cudaDeviceGetAttribute(&kilohertz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess;
+    // These queries fail only for a bad device index, which `like`'s tensor rules out; their
+    // error, if any, is theirs to clear.
+    if (!queried) (void)cudaGetLastError();
+    bandwidth =
+        queried && kilohertz > 0 && bus_bits > 0 ? 2.0 * kilohertz * 1e3 * bus_bits / 8 : -1;
+    known[device].store(bandwidth, std::memory_order_relaxed);
   }
-  bandwidth = 2.0 * kilohertz * 1e3 * bus_bits / 8;
-  known[device].store(bandwidth, std::memory_order_relaxed);
-  return bandwidth;
+  return std::max(bandwidth, 0.0);
 }
 
 // A grouped product's arguments, less the table's pointers (splits, weights or targets) and the
