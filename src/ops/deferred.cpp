@@ -585,13 +585,6 @@ bool anomaly_checks_nan() {
          torch::autograd::AnomalyMode::should_check_nan();
 }
 
-// The gradient buffer a sink's parameter gets: its main_grad, else its .grad (maybe undefined).
-at::Tensor written_buffer(const at::Tensor& param, const at::Tensor& main_grad) {
-  return !param.defined() ? at::Tensor() : main_grad.defined() ? main_grad : param.grad();
-}
-
-bool has_nan(const at::Tensor& t) { return t.defined() && at::isnan(t).any().item<bool>(); }
-
 // The first .grad of `sinks`' parameters that cannot take an in-place add, as AccumulateGrad's
 // would fail on it (an inference tensor, an expanded one): "the .grad of bias1: it is an
 // inference tensor ..." ("bias1" with `numbered`, else "bias"), or "" if none.
@@ -622,51 +615,38 @@ std::string unwritable_grad(const std::vector<WgradSinks>& sinks, bool numbered)
   return "";
 }
 
-// For each of `sinks`, whether its weight's and its bias's gradient buffer (main_grad, else .grad)
-// holds a nan now: [weight0, bias0, weight1, ...]. Reads the values (a sync).
-std::vector<bool> nan_flags(const std::vector<WgradSinks>& sinks) {
-  std::vector<bool> flags;
-  for (const WgradSinks& sink : sinks) {
-    flags.push_back(has_nan(written_buffer(sink.weight, sink.weight_main_grad)));
-    flags.push_back(has_nan(written_buffer(sink.bias, sink.bias_main_grad)));
-  }
-  return flags;
-}
-
-// A message naming the first of `sinks`' gradient buffers that holds a nan after `what` wrote it
-// and did not before (`had_nan`, from nan_flags), or "" if none; "weight2" with `numbered`. The
-// caller puts the buffers back (BuffersBefore), as the message says.
-std::string nan_in_sinks(core::LayerId layer, const std::string& gemm,
-                         const std::vector<WgradSinks>& sinks, const std::vector<bool>& had_nan,
-                         bool numbered, const char* what) {
-  for (size_t i = 0; i < sinks.size(); ++i) {
-    const std::string suffix = numbered ? std::to_string(i) : std::string();
-    for (const auto& [param, main_grad, name, slot] :
-         {std::tuple<const at::Tensor&, const at::Tensor&, const char*, size_t>{
-              sinks[i].weight, sinks[i].weight_main_grad, "weight", 2 * i},
-          {sinks[i].bias, sinks[i].bias_main_grad, "bias", 2 * i + 1}}) {
-      if (had_nan[slot] || !has_nan(written_buffer(param, main_grad))) continue;
-      return c10::str(layer_label(layer, gemm), ": ", what, " brought nan values into ", name,
-                      suffix, "'s ", main_grad.defined() ? "main_grad" : ".grad",
-                      " (anomaly detection with check_nan=True, which plain autograd reports as a "
-                      "backward Function that \"returned nan values\"). None of this GEMM's "
-                      "weight and bias gradients was added: every .grad and main_grad it writes "
-                      "holds its value from before, as autograd raises before accumulating.");
-    }
-  }
-  return std::string();
-}
-
 // The gradient buffers a write to `sinks` may change, as they were before it (a copy of each
-// main_grad, each .grad object and a copy of its values), to put back where the write brought a
-// nan: anomaly detection stops plain autograd before its AccumulateGrad adds such a gradient.
+// main_grad, each .grad object and a copy of its values): to find a nan the write brought and to
+// put the buffers back then, as anomaly detection stops plain autograd before its AccumulateGrad
+// adds such a gradient.
 class BuffersBefore {
  public:
   explicit BuffersBefore(const std::vector<WgradSinks>& sinks) {
-    for (const WgradSinks& sink : sinks) {
-      keep(sink.weight, sink.weight_main_grad);
-      keep(sink.bias, sink.bias_main_grad);
+    for (size_t i = 0; i < sinks.size(); ++i) {
+      keep(sinks[i].weight, sinks[i].weight_main_grad, "weight", i);
+      keep(sinks[i].bias, sinks[i].bias_main_grad, "bias", i);
     }
+  }
+
+  // The first buffer now holding a nan in an entry that was finite before (or in any entry, for
+  // a .grad that was None), e.g. "weight2's main_grad" ("weight2" with `numbered`), or "" if none.
+  // A finite value plus a gradient is nan only where the gradient is; where the buffer held a nan
+  // or an infinity (-inf + inf is nan), the sum cannot tell, so no nan is blamed there.
+  std::string brought_nan(bool numbered) const {
+    for (const Buffer& buffer : buffers_) {
+      at::Tensor now = buffer.main_grad.defined() ? buffer.main_grad : buffer.param.grad();
+      if (!now.defined()) continue;
+      at::Tensor fresh = at::isnan(now.layout() == at::kStrided ? now : now.to_dense());
+      if (buffer.values.defined()) {
+        const at::Tensor& values = buffer.values;
+        fresh.logical_and_(
+            at::isfinite(values.layout() == at::kStrided ? values : values.to_dense()));
+      }
+      if (!fresh.any().item<bool>()) continue;
+      return c10::str(buffer.name, numbered ? std::to_string(buffer.group) : "", "'s ",
+                      buffer.main_grad.defined() ? "main_grad" : ".grad");
+    }
+    return std::string();
   }
 
   void put_back() const {
@@ -686,11 +666,14 @@ class BuffersBefore {
  private:
   struct Buffer {
     at::Tensor param, main_grad, grad, values;
+    const char* name;
+    size_t group;
   };
 
-  void keep(const at::Tensor& param, const at::Tensor& main_grad) {
+  void keep(const at::Tensor& param, const at::Tensor& main_grad, const char* name, size_t group) {
     if (!param.defined()) return;  // freed: nothing is written
-    Buffer buffer{param, main_grad, main_grad.defined() ? at::Tensor() : param.grad(), {}};
+    Buffer buffer{param, main_grad, main_grad.defined() ? at::Tensor() : param.grad(),
+                  {},    name,      group};
     const at::Tensor& written = main_grad.defined() ? main_grad : buffer.grad;
     if (written.defined()) buffer.values = written.clone();
     buffers_.push_back(std::move(buffer));
@@ -716,11 +699,17 @@ std::string add_to_sinks(core::LayerId layer, const std::string& gemm,
     if (!check_nan) {
       accumulate(locked);
     } else {
-      const std::vector<bool> had_nan = nan_flags(sinks);
       const BuffersBefore before(sinks);
       accumulate(locked);
-      nan = nan_in_sinks(layer, gemm, sinks, had_nan, numbered, what);
-      if (!nan.empty()) before.put_back();
+      const std::string where = before.brought_nan(numbered);
+      if (!where.empty()) {
+        before.put_back();
+        nan = c10::str(layer_label(layer, gemm), ": ", what, " brought nan values into ", where,
+                       " (anomaly detection with check_nan=True, which plain autograd reports as "
+                       "a backward Function that \"returned nan values\"). None of this GEMM's "
+                       "weight and bias gradients was added: every .grad and main_grad it writes "
+                       "holds its value from before, as autograd raises before accumulating.");
+      }
     }
   }
   if (nan.empty()) notify_main_grads_accumulated(sinks);
@@ -1346,11 +1335,37 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
       throw;
     }
     keep_until_read(item);
-    if (!nan.empty()) {  // the items not run yet stay queued
+    if (!nan.empty()) {
       drop(item);
       in_flight.settled(batch, index[i]);
-      restore_after(i);
-      TORCH_CHECK(false, nan);
+      if (!drop_all) {  // backward_dw_all(): the items not run yet stay queued
+        restore_after(i);
+        TORCH_CHECK(false, nan);
+      }
+      // A layer's pass: its items not run yet are dropped too, as autograd's backward stops at the
+      // nan, and so that the next backward_dw() runs the next pass.
+      std::vector<std::string> unrun;
+      for (size_t j = i + 1; j < runnable.size(); ++j) {
+        if (!runnable[j].gemm.empty() &&
+            std::find(unrun.begin(), unrun.end(), runnable[j].gemm) == unrun.end()) {
+          unrun.push_back(runnable[j].gemm);
+        }
+        drop(runnable[j]);
+        in_flight.settled(batch, index[j]);
+      }
+      const size_t dropped = runnable.size() - i - 1;
+      {
+        const detail::ReferenceBatch references;
+        runnable.clear();
+      }
+      TORCH_CHECK(
+          false, nan,
+          dropped == 0
+              ? std::string()
+              : c10::str(" The ", dropped, " deferred item(s) of that backward pass not run yet",
+                         unrun.empty() ? "" : c10::str(" (", c10::Join(", ", unrun), ")"),
+                         " were dropped, unrun: autograd's backward stops at the nan, and "
+                         "the next backward_dw() runs the next pass."));
     }
     const core::PassId pass = item.pass;
     std::vector<at::Tensor> targets;

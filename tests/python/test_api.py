@@ -871,6 +871,95 @@ def test_anomaly_detection_blames_only_a_nan_a_gradient_did_not_hold_before(fuse
     assert len(fired) == 4
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["grad", "main_grad"])
+def test_anomaly_detection_judges_each_entry_as_autograd_judges_the_gradient(fused):
+    """Autograd checks the gradient a Function returns, entry by entry: a nan it brings next to one
+    the buffer held is an error (the buffer put back), and +inf brought onto a held -inf is none
+    (the sum is nan, as AccumulateGrad's)."""
+    def build(held_entry, held_value):
+        layer = splitgrad.Linear(4, 3, delay_wgrad_compute=True, fuse_wgrad_accumulation=fused,
+                                 device="cpu", name="fc")
+        reference = to_reference(layer)
+        for p, q in zip(layer.parameters(), reference.parameters()):
+            buffer = torch.zeros_like(p)
+            if p.dim() == held_entry[0]:
+                buffer[held_entry[1]] = held_value
+            if fused:
+                p.main_grad = buffer
+            else:
+                p.grad = buffer
+            q.grad = buffer.clone()
+        return layer, reference
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # a nan in weight[0, 0] before; the gradient brings nans into other entries of the weight's
+        layer, reference = build((2, (0, 0)), float("nan"))
+        x = torch.randn(2, 4)
+        x[1, 1] = float("nan")
+        with torch.autograd.set_detect_anomaly(True, check_nan=True):
+            with pytest.raises(RuntimeError, match="returned nan values"):
+                reference(x).nan_to_num(0.0).sum().backward()
+            layer(x).nan_to_num(0.0).sum().backward()
+            before = [(p.main_grad if fused else p.grad).clone() for p in layer.parameters()]
+            with pytest.raises(RuntimeError, match="brought nan values into weight's"):
+                layer.backward_dw()
+        for p, held in zip(layer.parameters(), before):
+            torch.testing.assert_close(p.main_grad if fused else p.grad, held, rtol=0, atol=0, equal_nan=True)
+
+        # -inf in bias[0] before; the gradient brings +inf there and no nan
+        layer, reference = build((1, 0), -float("inf"))
+        x = torch.tensor([[1.0, 2.0, -1.0, 0.5], [0.3, 0.2, 0.1, 0.4]])
+
+        def infinite_dy(grad):
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+            return grad
+
+        with torch.autograd.set_detect_anomaly(True, check_nan=True):
+            for module in (reference, layer):
+                out = module(x)
+                out.register_hook(infinite_dy)
+                out.sum().backward()
+            layer.backward_dw()  # no error, as autograd's
+        for p, q in zip(layer.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.main_grad if fused else p.grad, q.grad, equal_nan=True)
+        assert layer.bias.main_grad[0].isnan() if fused else layer.bias.grad[0].isnan()
+
+
+def test_anomaly_nan_in_one_gemm_drops_the_rest_of_its_pass():
+    """A LayerNormMLP whose fc2 gradient brings a nan: autograd's backward stops there, so the
+    pass's fc1 item is dropped with it (named in the error), nothing stays pending, and the next
+    step's backward_dw() runs that step, with autograd's gradients and one hook call."""
+    module = splitgrad.LayerNormMLP(8, 6, activation="relu", delay_wgrad_compute=True, device="cpu", name="mlp")
+    fired = []
+    module.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(1))
+    with torch.no_grad():
+        module.fc1_bias[2] = float("inf")  # relu(inf) = inf: fc2's wgrad alone sees inf * 0 = nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.set_detect_anomaly(True, check_nan=True):
+            module(torch.randn(5, 8)).nan_to_num(0.0).sum().backward()
+            with pytest.raises(RuntimeError, match=r"\(fc2\): backward_dw\(\) .*brought nan values.* \(fc1\) were dropped"):
+                module.backward_dw()
+    assert splitgrad.pending_wgrads() == 0 and not fired
+    assert all(p.grad is None for p in (module.fc1_weight, module.fc2_weight))
+    with torch.no_grad():
+        module.fc1_bias[2] = 0.0
+    module.zero_grad(set_to_none=True)
+    for _ in range(2):
+        fired.clear()
+        reference = to_reference(module)
+        x = torch.randn(5, 8)
+        module(x).sum().backward()
+        module.backward_dw()
+        reference(x).sum().backward()
+        assert splitgrad.pending_wgrads() == 0 and len(fired) == 1
+        for (name, p), q in zip(module.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+        module.zero_grad(set_to_none=True)
+
+
 @contextlib.contextmanager
 def _conversion_mode(flag: str):
     """torch.__future__'s overwrite_module_params_on_conversion or swap_module_params_on_conversion."""
