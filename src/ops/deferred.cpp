@@ -1138,18 +1138,25 @@ enum class OnStale {
   kDropAll,  // they are dropped too (one layer's backward_dw(): the items of one pass)
 };
 
-// " The other 1 deferred item(s) ... (fc2) ... were dropped too": the rest of a pass, dropped with
-// its item `failed` (`gemms`: each item's GEMM name).
-std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed) {
+// " (fc1, fc2)": the distinct GEMM names of items [first, end) of a pass (`gemms`: each item's),
+// the item `skipped` left out, or "" where none has a name.
+std::string gemm_names(const std::vector<std::string>& gemms, size_t first, size_t end,
+                       size_t skipped) {
   std::vector<std::string> names;
-  for (size_t i = 0; i < gemms.size(); ++i) {
-    if (i != failed && !gemms[i].empty() &&
+  for (size_t i = first; i < end; ++i) {
+    if (i != skipped && !gemms[i].empty() &&
         std::find(names.begin(), names.end(), gemms[i]) == names.end())
       names.push_back(gemms[i]);
   }
+  return names.empty() ? "" : c10::str(" (", c10::Join(", ", names), ")");
+}
+
+// " The other 1 deferred item(s) ... (fc2) ... were dropped too": the rest of a pass, dropped with
+// its item `failed` (`gemms`: each item's GEMM name).
+std::string dropped_with_it(const std::vector<std::string>& gemms, size_t failed) {
   return c10::str(
       " The other ", gemms.size() - 1, " deferred item(s) that backward pass queued for this layer",
-      names.empty() ? "" : c10::str(" (", c10::Join(", ", names), ")"),
+      gemm_names(gemms, 0, gemms.size(), failed),
       " were dropped too, unrun: backward_dw() runs a pass's items all or none, so that no "
       "gradient of the pass is half-written and the next backward_dw() runs the next pass.");
 }
@@ -1344,12 +1351,7 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
       }
       // A layer's pass: its items not run yet are dropped too, as autograd's backward stops at the
       // nan, and so that the next backward_dw() runs the next pass.
-      std::vector<std::string> unrun;
       for (size_t j = i + 1; j < runnable.size(); ++j) {
-        if (!runnable[j].gemm.empty() &&
-            std::find(unrun.begin(), unrun.end(), runnable[j].gemm) == unrun.end()) {
-          unrun.push_back(runnable[j].gemm);
-        }
         drop(runnable[j]);
         in_flight.settled(batch, index[j]);
       }
@@ -1358,12 +1360,13 @@ void run(std::vector<DeferredWgrad> items, uint64_t batch, OnStale on_stale) {
         const detail::ReferenceBatch references;
         runnable.clear();
       }
+      // (nothing was dropped before the loop: a stale item throws above, so index[j] == j)
       TORCH_CHECK(
           false, nan,
           dropped == 0
               ? std::string()
               : c10::str(" The ", dropped, " deferred item(s) of that backward pass not run yet",
-                         unrun.empty() ? "" : c10::str(" (", c10::Join(", ", unrun), ")"),
+                         gemm_names(gemms, i + 1, gemms.size(), gemms.size()),
                          " were dropped, unrun: autograd's backward stops at the nan, and "
                          "the next backward_dw() runs the next pass."));
     }
