@@ -9,9 +9,11 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from . import _C
 from ._errors import ArgumentError, DTypeError
 from ._linear import (
     _TE_DEFAULTS,
+    _autocast_enabled,
     _check_params_dtype,
     _check_sizes,
     _DeferredWgradModule,
@@ -153,8 +155,8 @@ class GroupedLinear(_DeferredWgradModule):
         return any(getattr(self, f"bias{i}", None) is not None for i in range(self.num_gemms))
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
-        """Each expert as nn.Linear (or ``init_method(weight_i)``, by default the one given at
-        construction), expert by expert."""
+        """Each expert as nn.Linear (or ``init_method(weight_i)`` and a zero bias, as TE; by default
+        the method given at construction), expert by expert."""
         biases = self.biases or [None] * self.num_gemms
         with self._init_rng():
             for weight, bias in zip(self.weights, biases):
@@ -257,16 +259,15 @@ class GroupedLinear(_DeferredWgradModule):
 
     def _functional(self, inp, splits, weights, biases):
         # Under a torch.func transform or forward-mode AD: each expert with F.linear, as a plain
-        # per-expert model computes it (PyTorch runs no C++ autograd Function there). The splits are
-        # read on the host: transforms run eagerly.
+        # per-expert model computes it (PyTorch runs no C++ autograd Function there). The splits
+        # are read on the host (transforms run eagerly), then the op's checks run, naming this
+        # layer (autocast casts a floating input to its dtype before the products).
         counts = [int(c) for c in splits.tolist()]
-        rows = inp.reshape(-1, self.in_features) if inp.dim() > 0 else inp
-        if inp.dim() == 0 or inp.shape[-1] != self.in_features:
-            raise ArgumentError(f"splitgrad layer '{self.name}': expected input of shape [*, {self.in_features}], "
-                                f"got shape {list(inp.shape)}")
-        if len(counts) != self.num_gemms or any(c < 0 for c in counts) or sum(counts) != rows.shape[0]:
-            raise ArgumentError(f"splitgrad layer '{self.name}': expected {self.num_gemms} non-negative m_splits "
-                                f"summing to the input's {rows.shape[0]} rows, got {counts}")
+        cast = _autocast_enabled(inp.device.type) and inp.is_floating_point()
+        with _typed_errors():
+            _C.check_grouped_linear_args(self._layer_id, inp, splits, counts, weights, biases,
+                                         inp.dtype if cast else None)
+        rows = inp.reshape(-1, self.in_features)
         trained = [w for w in weights if _base_of(w).requires_grad]
         if trained:  # one warning for the layer
             self._warn_if_fused_functional(trained[0], "each expert's weight{i}")

@@ -200,7 +200,7 @@ class LayerNormLinear(_NormedModule):
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         """The norm's defaults; the weight by ``init_method``, else the one given at construction,
-        else as nn.Linear."""
+        with a zero bias (as TE), else both as nn.Linear."""
         self._reset_norm()
         with self._init_rng():
             _reset_linear(self.weight, self.bias, self._init_method("init_method", init_method))
@@ -306,7 +306,7 @@ class LayerNormMLP(_NormedModule):
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None,
                          output_layer_init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         """The norm's defaults; fc1_weight / fc2_weight by the methods given here, else by those
-        given at construction, else as nn.Linear."""
+        given at construction, with a zero bias (as TE), else as nn.Linear."""
         self._reset_norm()
         with self._init_rng():
             _reset_linear(self.fc1_weight, self.fc1_bias, self._init_method("init_method", init_method))

@@ -662,7 +662,7 @@ class Linear(_DeferredWgradModule):
 
     def reset_parameters(self, init_method: Callable[[torch.Tensor], object] | None = None) -> None:
         """Draws the parameters again: the weight by ``init_method``, else by the one given at
-        construction, else as nn.Linear; the bias as nn.Linear."""
+        construction, with a zero bias (as TE); else both as nn.Linear."""
         with self._init_rng():
             _reset_linear(self.weight, self.bias, self._init_method("init_method", init_method))
 
@@ -705,15 +705,18 @@ def _typed_errors():
 
 def _reset_linear(weight, bias, init_method) -> None:
     """nn.Linear's initialisation (kaiming-uniform weight, uniform bias in ±1/sqrt(fan_in)), or
-    ``init_method(weight)``."""
+    TE's with an ``init_method``: ``init_method(weight)`` and a zero bias (TE and Megatron zero
+    every GEMM bias)."""
     with torch.no_grad():
         if init_method is not None:
             init_method(weight)
+            if bias is not None:
+                bias.zero_()
         else:
             nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-        if bias is not None:
-            bound = 1.0 / math.sqrt(weight.shape[1])
-            nn.init.uniform_(bias, -bound, bound)
+            if bias is not None:
+                bound = 1.0 / math.sqrt(weight.shape[1])
+                nn.init.uniform_(bias, -bound, bound)
 
 
 def _takes_the_parameter(fn: Callable) -> bool:

@@ -292,6 +292,11 @@ std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t ro
   const at::Tensor splits = m_splits.contiguous();
   const int64_t* data = splits.data_ptr<int64_t>();
   std::vector<int64_t> sizes(data, data + splits.numel());
+  check_split_sizes(who, sizes, rows);
+  return sizes;
+}
+
+void check_split_sizes(Who who, const std::vector<int64_t>& sizes, int64_t rows) {
   int64_t total = 0;
   for (size_t i = 0; i < sizes.size(); ++i) {
     TORCH_CHECK_VALUE(sizes[i] >= 0, who(), ": expected non-negative m_splits, got m_splits[", i,
@@ -306,7 +311,6 @@ std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t ro
   TORCH_CHECK_VALUE(total == rows, who(), ": expected m_splits to sum to the input's ", rows,
                     " rows (tokens), got a sum of ", total, " (m_splits = [",
                     c10::Join(", ", sizes), "])");
-  return sizes;
 }
 
 namespace {

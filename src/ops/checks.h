@@ -122,6 +122,8 @@ void check_splits_tensor(Who who, const at::Tensor& m_splits, std::optional<int6
 
 /// The splits' values, checked: non-negative, summing to `rows`. m_splits must be on the CPU.
 std::vector<int64_t> split_sizes(Who who, const at::Tensor& m_splits, int64_t rows);
+/// split_sizes' check of values already read.
+void check_split_sizes(Who who, const std::vector<int64_t>& sizes, int64_t rows);
 
 /// A `Tensor?[]` argument's entries by reference (host time: c10::List::get() copies each
 /// tensor, a reference count up and down): entry i, or nullptr where it is None or undefined.

@@ -185,6 +185,24 @@ PYBIND11_MODULE(_C, m) {
       py::arg("compute_dtype") = std::nullopt,
       "The op's argument checks, for a forward that runs without the op (torch.func transforms).");
   m.def(
+      "check_grouped_linear_args",
+      [](int64_t layer_id, const at::Tensor& input, const at::Tensor& m_splits,
+         const std::vector<int64_t>& split_sizes, const std::vector<at::Tensor>& weights,
+         const std::vector<at::Tensor>& biases, std::optional<at::ScalarType> compute_dtype) {
+        HANDLE_TH_ERRORS
+        auto who = [&] { return splitgrad::detail::layer_label(layer_id); };
+        splitgrad::detail::check_grouped_linear_args(who, input, m_splits, weights, biases,
+                                                     /*splits_on_cpu_only=*/false, compute_dtype);
+        // The input's last dimension is in_features (checked above, and at least 1).
+        splitgrad::detail::check_split_sizes(who, split_sizes, input.numel() / input.size(-1));
+        END_HANDLE_TH_ERRORS_PYBIND
+      },
+      py::arg("layer_id"), py::arg("input"), py::arg("m_splits"), py::arg("split_sizes"),
+      py::arg("weights"), py::arg("biases"), py::arg("compute_dtype") = std::nullopt,
+      "The grouped op's argument checks, for a forward that runs without the op (torch.func "
+      "transforms, whose tensors may have no storage): m_splits' values are given read "
+      "(split_sizes).");
+  m.def(
       "check_gemm_args",
       [](int64_t layer_id, const std::string& gemm, const at::Tensor& input,
          const at::Tensor& weight, const std::optional<at::Tensor>& bias,

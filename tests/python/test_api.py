@@ -708,6 +708,40 @@ def _init_methods(kind: str, init: str) -> dict:
     return methods
 
 
+@pytest.mark.parametrize("kind", MODULES)
+def test_init_method_draws_the_weights_and_zeroes_the_biases_as_te(kind):
+    """TE (and Megatron over it) draws each GEMM weight by init_method and zeroes every GEMM bias;
+    without one, the parameters are nn.Linear's (weights and biases within ±1/sqrt(in_features));
+    reset_parameters(init_method=...) alike. The norm's parameters keep their defaults."""
+    def gemm_params(module, part):
+        return [(n, p) for n, p in module.named_parameters() if part in n and "layer_norm" not in n]
+
+    seen = []
+    module = _build(kind, device="cpu", init_method=lambda w: (seen.append(w), nn.init.constant_(w, 0.25)),
+                    output_layer_init_method=lambda w: (seen.append(w), nn.init.constant_(w, -0.5))) \
+        if kind == "LayerNormMLP" else \
+        _build(kind, device="cpu", init_method=lambda w: (seen.append(w), nn.init.constant_(w, 0.25)))
+    weights, biases = gemm_params(module, "weight"), gemm_params(module, "bias")
+    assert [id(w) for w in seen] == [id(p) for _, p in weights]
+    for name, w in weights:
+        torch.testing.assert_close(w, torch.full_like(w, -0.5 if name == "fc2_weight" else 0.25), rtol=0, atol=0)
+    assert biases and all(not b.any() for _, b in biases), [n for n, b in biases if b.any()]
+    if "LayerNorm" in kind:
+        assert torch.equal(module.layer_norm_weight, torch.ones(8)) and not module.layer_norm_bias.any()
+
+    torch.manual_seed(0)
+    default = _build(kind, device="cpu")
+    params = dict(default.named_parameters())
+    for name, b in gemm_params(default, "bias"):  # nn.Linear's: within ±1/sqrt(the weight's in_features)
+        assert b.any() and b.abs().max() <= params[name.replace("bias", "weight")].shape[1] ** -0.5, name
+    methods = {"init_method": nn.init.ones_}
+    if kind == "LayerNormMLP":
+        methods["output_layer_init_method"] = nn.init.ones_
+    default.reset_parameters(**methods)
+    assert all(not b.any() for _, b in gemm_params(default, "bias"))
+    assert all(w.eq(1).all() for _, w in gemm_params(default, "weight"))
+
+
 @pytest.mark.parametrize("init", ["default", "init_method"])
 @pytest.mark.parametrize("delay", [False, True], ids=["regular", "delayed"])
 @pytest.mark.parametrize("kind", MODULES)

@@ -1239,8 +1239,46 @@ def test_torch_func_transforms_match_per_expert_linear(delay, fused):
           torch.func.jvp(lambda x: plain(params, x), (x,), (tangent,)))
     assert splitgrad.pending_wgrads() == 0
     assert all(p.grad is None for p in layer.parameters())
-    with pytest.raises(splitgrad.ArgumentError, match="summing to the input's 5 rows"):
+    with pytest.raises(splitgrad.ArgumentError, match="expected m_splits to sum to the input's 5 rows"):
         torch.func.grad(lambda x: layer(x, [1, 1, 1]).sum())(x)
+
+
+@pytest.mark.parametrize("how", ["grad", "forward_ad"])
+def test_argument_checks_under_transforms_name_the_layer_as_eager_ones(how):
+    """Under torch.func transforms and forward-mode AD the layer runs without its op; its argument
+    checks run still, with the messages and types of the eager path."""
+    layer = splitgrad.GroupedLinear(3, 4, 5, device="cpu", name="experts")
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+
+    def run(x, splits, p=params):
+        if how == "grad":
+            return torch.func.grad(lambda x: torch.func.functional_call(layer, p, (x, splits)).sum())(x)
+        with torch.autograd.forward_ad.dual_level():
+            return layer(torch.autograd.forward_ad.make_dual(x, torch.ones_like(x)), splits)
+
+    cases = [
+        # 18 elements: a reshape to [-1, 4] must not be what reports it
+        (lambda: run(torch.randn(6, 3), [2, 1, 3]), splitgrad.ArgumentError,
+         r"'experts': expected input of shape \[\*, 4\] \(in_features = 4\), got shape \[6, 3\]"),
+        (lambda: run(torch.randn(5, 4, dtype=torch.float64), [2, 0, 3]), splitgrad.DTypeError,
+         r"'experts': expected input of dtype torch.float32 \(the weight's dtype\), got torch.float64"),
+        (lambda: run(torch.randn(5, 4), [2, -1, 4]), splitgrad.ArgumentError,
+         r"'experts': expected non-negative m_splits, got m_splits\[1\] = -1"),
+        (lambda: run(torch.randn(5, 4), [2, 3]), splitgrad.ArgumentError,
+         r"'experts': expected 3 splits \(one per group\)"),
+    ]
+    if how == "grad":
+        bad = dict(params, weight1=torch.randn(5, 3))
+        cases.append((lambda: run(torch.randn(5, 4), [2, 0, 3], bad), splitgrad.ArgumentError,
+                      r"'experts': expected every weight of one shape, got weight0 of shape \[5, 4\] and "
+                      r"weight1 of shape \[5, 3\]"))
+        bad_bias = dict(params, bias2=torch.randn(4))
+        cases.append((lambda: run(torch.randn(5, 4), [2, 0, 3], bad_bias), splitgrad.ArgumentError,
+                      r"'experts': expected bias2 of shape \[5\], got shape \[4\]"))
+    for call, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            call()
+    assert splitgrad.pending_wgrads() == 0
 
 
 @pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (True, True)])
