@@ -575,12 +575,18 @@ def test_mlp_main_grad_errors_name_the_gemm_and_parameter(gemm, delay):
         ("weight", lambda p: torch.zeros(3, 3), r"expected {0}.main_grad of shape \[{1}\]"),
         ("weight", lambda p: torch.zeros(p.shape, dtype=torch.float16), r"expected {0}.main_grad of dtype torch.float32"),
         ("bias", lambda p: torch.zeros(p.shape[0] + 1), r"expected {0}.main_grad of shape \[{1}\]"),
+        ("weight", lambda p: None, r"fuse_wgrad_accumulation=True needs {0}.main_grad, an fp32 tensor of shape "
+                                   r"\[{1}\] \(Megatron's contract\); it is not set"),
+        ("weight", lambda p: [0.0], r"expected {0}.main_grad to be a torch.Tensor, got list"),
     ]:
         model = make("mlp", name="blocks.0.mlp", fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
         for name in ("fc1_weight", "fc2_weight"):
             getattr(model, name).main_grad = torch.zeros(getattr(model, name).shape)
         target = getattr(model, f"{gemm}_{param}")
-        target.main_grad = bad(target)
+        if bad(target) is None:
+            del target.main_grad
+        else:
+            target.main_grad = bad(target)
         shape = ", ".join(map(str, target.shape))
         with pytest.raises(splitgrad.MainGradError,
                            match=rf"splitgrad layer 'blocks.0.mlp' \({gemm}\): " + message.format(f"{gemm}_{param}", shape)):
