@@ -267,6 +267,7 @@ def finish_fsdp_reductions() -> None:
     owed but did not all land, because an item was dropped (a stashed tensor modified in place) —
     raises a RuntimeError naming its layers after the other units are waited for; its unsharded
     gradients are discarded, so no partial gradient is reduced now or mixed into the next step.
+    The decision is this rank's: ranks that did reduce the unit wait for this one's reduce-scatter.
     A unit whose deferred work is still pending stays held back (it reduces when the work lands).
     """
     stranded = [g for g in list(_groups) if g.deferred and not g.owed() and not g.complete()]
@@ -283,4 +284,6 @@ def finish_fsdp_reductions() -> None:
             "splitgrad.distributed.fully_shard: the gradients of the FSDP unit(s) of layer(s) "
             f"{'; '.join(repr(g.layers) for g in stranded)} were not reduced: part of their deferred "
             "wgrad work was dropped (see the error raised by backward_dw()), so their gradients are "
-            "incomplete. Their unsharded gradients were discarded; run the step again.")
+            "incomplete. Their unsharded gradients were discarded; run the step again where every "
+            "rank dropped alike (a rank that reduced these units waits for this one's reduce-scatter "
+            "until the process group's timeout).")
