@@ -42,6 +42,9 @@ struct GroupedLinearOptions {
   TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
   /// Parameter device (default: CUDA when available, else the CPU).
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// TE's init_method: draws each expert's weight (and zeroes its bias) instead of nn.Linear's
+  /// initialisation (see InitMethod).
+  TORCH_ARG(InitMethod, init_method) = nullptr;
   /// Name used in messages about this layer (default: "GroupedLinear(n, in, out)#id").
   TORCH_ARG(std::string, name) = "";
 };
@@ -65,7 +68,10 @@ class GroupedLinearImpl : public DeferredWgradModule<GroupedLinearImpl> {
   ///        ops; the CUDA back end's per-expert loop reads it to the host for now)
   ///        Host splits: `torch::tensor(std::vector<int64_t>{...})`. (One overload only, so that
   ///        the ModuleHolder's `experts(x, m_splits)` resolves.)
-  torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& m_splits);
+  /// `is_first_microbatch` is accepted for TE compatibility; it does not change the gradients
+  /// (they accumulate over micro-batches either way).
+  torch::Tensor forward(const torch::Tensor& input, const torch::Tensor& m_splits,
+                        std::optional<bool> is_first_microbatch = std::nullopt);
 
   /// Makes expert `expert` use `weight` (another expert's, another layer's) as its weight: a leaf
   /// tensor of the layer's weight shape, dtype and device. Every contribution accumulates.
@@ -80,6 +86,10 @@ class GroupedLinearImpl : public DeferredWgradModule<GroupedLinearImpl> {
   GroupedLinearOptions options;
   std::vector<torch::Tensor> weights;  ///< weight0 … weight{num_gemms-1}
   std::vector<torch::Tensor> biases;   ///< bias0 …, or empty without bias
+
+ protected:
+  // torch::nn::Sequential / AnyModule call forward() with the defaulted is_first_microbatch.
+  FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(std::optional<bool>())})
 
  private:
   void check_expert(int64_t expert) const;

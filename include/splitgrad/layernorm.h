@@ -51,6 +51,9 @@ struct LayerNormLinearOptions {
   TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
   /// Parameter device (default: CUDA when available, else the CPU).
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// TE's init_method: draws the weight (and zeroes the bias) instead of nn.Linear's
+  /// initialisation (see InitMethod).
+  TORCH_ARG(InitMethod, init_method) = nullptr;
   /// Name used in messages about this module (default: "LayerNormLinear(in, out)#id").
   TORCH_ARG(std::string, name) = "";
 };
@@ -69,7 +72,10 @@ class LayerNormLinearImpl : public DeferredWgradModule<LayerNormLinearImpl> {
   void pretty_print(std::ostream& stream) const override;
 
   /// norm(x)·Wᵀ + b for x of shape [*, in_features].
-  torch::Tensor forward(const torch::Tensor& input);
+  /// `is_first_microbatch` is accepted for TE compatibility; it does not change the gradients
+  /// (they accumulate over micro-batches either way).
+  torch::Tensor forward(const torch::Tensor& input,
+                        std::optional<bool> is_first_microbatch = std::nullopt);
   /// (norm(x)·Wᵀ + b, norm(x)): TE's return_layernorm_output.
   std::tuple<torch::Tensor, torch::Tensor> forward_with_layernorm_output(
       const torch::Tensor& input);
@@ -88,6 +94,10 @@ class LayerNormLinearImpl : public DeferredWgradModule<LayerNormLinearImpl> {
   torch::Tensor layer_norm_bias;  ///< undefined for RMSNorm
   torch::Tensor weight;
   torch::Tensor bias;
+
+ protected:
+  // torch::nn::Sequential / AnyModule call forward() with the defaulted is_first_microbatch.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(std::optional<bool>())})
 
  private:
   void tie_in_copy(const std::string& name, const torch::Tensor& param) override {
@@ -124,6 +134,10 @@ struct LayerNormMLPOptions {
   TORCH_ARG(bool, fuse_wgrad_accumulation) = false;
   TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// TE's init_method and output_layer_init_method: draw fc1_weight and fc2_weight (and zero
+  /// their biases) instead of nn.Linear's initialisation (see InitMethod).
+  TORCH_ARG(InitMethod, init_method) = nullptr;
+  TORCH_ARG(InitMethod, output_layer_init_method) = nullptr;
   /// Name used in messages (default: "LayerNormMLP(hidden, ffn)#id").
   TORCH_ARG(std::string, name) = "";
 };
@@ -140,7 +154,10 @@ class LayerNormMLPImpl : public DeferredWgradModule<LayerNormMLPImpl> {
   void pretty_print(std::ostream& stream) const override;
 
   /// fc2(act(fc1(norm(x)))) for x of shape [*, hidden_size].
-  torch::Tensor forward(const torch::Tensor& input);
+  /// `is_first_microbatch` is accepted for TE compatibility; it does not change the gradients
+  /// (they accumulate over micro-batches either way).
+  torch::Tensor forward(const torch::Tensor& input,
+                        std::optional<bool> is_first_microbatch = std::nullopt);
   /// (fc2(act(fc1(norm(x)))), norm(x)): TE's return_layernorm_output.
   std::tuple<torch::Tensor, torch::Tensor> forward_with_layernorm_output(
       const torch::Tensor& input);
@@ -160,6 +177,10 @@ class LayerNormMLPImpl : public DeferredWgradModule<LayerNormMLPImpl> {
   torch::Tensor fc1_bias;
   torch::Tensor fc2_weight;  ///< [hidden, ffn]
   torch::Tensor fc2_bias;
+
+ protected:
+  // torch::nn::Sequential / AnyModule call forward() with the defaulted is_first_microbatch.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(std::optional<bool>())})
 
  private:
   void tie_in_copy(const std::string& name, const torch::Tensor& param) override {

@@ -40,6 +40,9 @@ struct LinearOptions {
   TORCH_ARG(std::optional<at::ScalarType>, params_dtype) = std::nullopt;
   /// Parameter device (default: CUDA when available, else the CPU).
   TORCH_ARG(std::optional<at::Device>, device) = std::nullopt;
+  /// TE's init_method: draws the weight (and zeroes the bias) instead of nn.Linear's
+  /// initialisation (see InitMethod).
+  TORCH_ARG(InitMethod, init_method) = nullptr;
   /// Name used in messages about this layer (default: "Linear(in, out)#id").
   TORCH_ARG(std::string, name) = "";
 };
@@ -74,7 +77,10 @@ class LinearImpl : public DeferredWgradModule<LinearImpl> {
   /// device. Throws c10::ValueError / c10::TypeError / c10::Error naming the layer for an
   /// undefined input, a wrong shape, dtype or device, or, with fuse_wgrad_accumulation, a weight
   /// without a main_grad (set_main_grad()).
-  torch::Tensor forward(const torch::Tensor& input);
+  /// `is_first_microbatch` is accepted for TE compatibility; it does not change the gradients
+  /// (they accumulate over micro-batches either way).
+  torch::Tensor forward(const torch::Tensor& input,
+                        std::optional<bool> is_first_microbatch = std::nullopt);
 
   /// Makes this layer use `weight` (typically another layer's) as its weight: the two share one
   /// parameter, and every contribution to it accumulates. `weight` must be a leaf tensor (a
@@ -95,6 +101,10 @@ class LinearImpl : public DeferredWgradModule<LinearImpl> {
   torch::Tensor weight;
   /// b, [out_features], or an undefined tensor for bias=false (registered as "bias").
   torch::Tensor bias;
+
+ protected:
+  // torch::nn::Sequential / AnyModule call forward() with the defaulted is_first_microbatch.
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(std::optional<bool>())})
 
  private:
   void check_tie(const char* what, const torch::Tensor& current, const torch::Tensor& tied) const;

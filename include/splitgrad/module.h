@@ -7,8 +7,11 @@
 
 #include <c10/util/StringUtil.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/serialize/archive.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +21,11 @@
 #include "splitgrad/deferred.h"
 
 namespace splitgrad {
+
+/// TE's init_method: draws a GEMM weight in place, e.g.
+/// `[](const at::Tensor& w) { torch::nn::init::normal_(w, 0.0, 0.02); }`. Run under no-grad; the
+/// GEMM's bias is then zeroed, as TE (and Megatron) zero every GEMM bias.
+using InitMethod = std::function<void(const at::Tensor& weight)>;
 
 /// The base of the splitgrad modules, over torch::nn::Cloneable as torch::nn's own modules are
 /// (`class LinearImpl : public DeferredWgradModule<LinearImpl>`). `Derived` has an `options`
@@ -38,6 +46,11 @@ class DeferredWgradModule : public torch::nn::Cloneable<Derived> {
   /// c10::Error if that pass queued nothing for a delayed one.
   void backward_dw(int64_t pass) {
     if (derived().options.delay_wgrad_compute()) layer_->backward_dw(pass);
+  }
+  /// TE's name: whether this module defers its weight gradients to backward_dw() (built with
+  /// delay_wgrad_compute).
+  bool need_backward_dw() const {
+    return static_cast<const Derived&>(*this).options.delay_wgrad_compute();
   }
   /// The backward passes with work queued for this module, oldest first.
   std::vector<int64_t> pending_passes() const { return layer_->pending_passes(); }

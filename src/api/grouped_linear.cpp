@@ -43,7 +43,8 @@ void GroupedLinearImpl::reset() {
 void GroupedLinearImpl::reset_parameters() {
   // Each expert as nn.Linear, expert by expert (weight0, bias0, weight1, ...).
   for (size_t i = 0; i < weights.size(); ++i) {
-    detail::reset_linear(weights[i], i < biases.size() ? biases[i] : at::Tensor());
+    detail::reset_linear(weights[i], i < biases.size() ? biases[i] : at::Tensor(),
+                         options.init_method());
   }
 }
 
@@ -55,8 +56,8 @@ void GroupedLinearImpl::pretty_print(std::ostream& stream) const {
          << ", fuse_wgrad_accumulation=" << options.fuse_wgrad_accumulation() << ")";
 }
 
-torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input,
-                                         const torch::Tensor& m_splits) {
+torch::Tensor GroupedLinearImpl::forward(const torch::Tensor& input, const torch::Tensor& m_splits,
+                                         std::optional<bool> /*is_first_microbatch*/) {
   TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer_->name(),
                     "': expected an input of shape [*, ", options.in_features(),
                     "], got an undefined tensor");

@@ -146,7 +146,7 @@ void LayerNormLinearImpl::reset() {
 
 void LayerNormLinearImpl::reset_parameters() {
   reset_norm(layer_norm_weight, layer_norm_bias, options.zero_centered_gamma());
-  detail::reset_linear(weight, bias);
+  detail::reset_linear(weight, bias, options.init_method());
 }
 
 void LayerNormLinearImpl::pretty_print(std::ostream& stream) const {
@@ -174,7 +174,8 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormLinearImpl::forward_with_layer
   return {out, ln_out};
 }
 
-torch::Tensor LayerNormLinearImpl::forward(const torch::Tensor& input) {
+torch::Tensor LayerNormLinearImpl::forward(const torch::Tensor& input,
+                                           std::optional<bool> /*is_first_microbatch*/) {
   return std::get<0>(forward_with_layernorm_output(input));
 }
 
@@ -226,8 +227,8 @@ void LayerNormMLPImpl::reset() {
 
 void LayerNormMLPImpl::reset_parameters() {
   reset_norm(layer_norm_weight, layer_norm_bias, options.zero_centered_gamma());
-  detail::reset_linear(fc1_weight, fc1_bias);
-  detail::reset_linear(fc2_weight, fc2_bias);
+  detail::reset_linear(fc1_weight, fc1_bias, options.init_method());
+  detail::reset_linear(fc2_weight, fc2_bias, options.output_layer_init_method());
 }
 
 void LayerNormMLPImpl::pretty_print(std::ostream& stream) const {
@@ -274,7 +275,8 @@ std::tuple<torch::Tensor, torch::Tensor> LayerNormMLPImpl::forward_with_layernor
   return {out, ln_out};
 }
 
-torch::Tensor LayerNormMLPImpl::forward(const torch::Tensor& input) {
+torch::Tensor LayerNormMLPImpl::forward(const torch::Tensor& input,
+                                        std::optional<bool> /*is_first_microbatch*/) {
   return std::get<0>(forward_with_layernorm_output(input));
 }
 

@@ -27,7 +27,7 @@ void LinearImpl::reset() {
   reset_parameters();
 }
 
-void LinearImpl::reset_parameters() { detail::reset_linear(weight, bias); }
+void LinearImpl::reset_parameters() { detail::reset_linear(weight, bias, options.init_method()); }
 
 void LinearImpl::pretty_print(std::ostream& stream) const {
   stream << "splitgrad::Linear(in_features=" << options.in_features()
@@ -36,7 +36,8 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
          << ", fuse_wgrad_accumulation=" << options.fuse_wgrad_accumulation() << ")";
 }
 
-torch::Tensor LinearImpl::forward(const torch::Tensor& input) {
+torch::Tensor LinearImpl::forward(const torch::Tensor& input,
+                                  std::optional<bool> /*is_first_microbatch*/) {
   // Checked here: the dispatcher fails on an undefined tensor before splitgrad's checks run.
   TORCH_CHECK_VALUE(input.defined(), "splitgrad layer '", layer_->name(),
                     "': expected an input of shape [*, ", options.in_features(),

@@ -1,5 +1,6 @@
 #include "api/module_common.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/core/DefaultDtype.h>
 #include <torch/cuda.h>
 #include <torch/nn/init.h>
@@ -33,7 +34,13 @@ std::shared_ptr<LayerHandle> register_layer(const std::string& name,
   return layer;
 }
 
-void reset_linear(const at::Tensor& weight, const at::Tensor& bias) {
+void reset_linear(const at::Tensor& weight, const at::Tensor& bias, const InitMethod& init_method) {
+  if (init_method) {
+    const at::NoGradGuard no_grad;  // the parameters are leaves that require grad
+    init_method(weight);
+    if (bias.defined()) bias.zero_();
+    return;
+  }
   torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
   if (bias.defined()) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(weight.size(1)));

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "splitgrad/deferred.h"
+#include "splitgrad/module.h"
 
 namespace splitgrad::detail {
 
@@ -29,8 +30,9 @@ std::shared_ptr<LayerHandle> register_layer(const std::string& name,
                                             const std::string& default_prefix);
 
 /// nn.Linear's initialisation: kaiming-uniform weight [out, in], bias (if defined) uniform in
-/// ±1/sqrt(in).
-void reset_linear(const at::Tensor& weight, const at::Tensor& bias);
+/// ±1/sqrt(in); or TE's with an `init_method`: the weight by it, the bias zero.
+void reset_linear(const at::Tensor& weight, const at::Tensor& bias,
+                  const InitMethod& init_method = nullptr);
 
 /// For fuse_wgrad_accumulation: `param`'s main_grad (set_main_grad), checked (the op's
 /// check_main_grad, in messages naming `gemm` of a module with several). nullopt for a parameter

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -30,6 +31,17 @@ struct Traits<splitgrad::Linear> {
   static void backward(splitgrad::Linear& m) { m(torch::randn({5, 4})).sum().backward(); }
   static torch::Tensor tied(splitgrad::Linear& m) { return m->weight; }
   static void tie(splitgrad::Linear& m, splitgrad::Linear& other) { m->tie_weight(other->weight); }
+  static constexpr int kGemms = 1;
+  static splitgrad::Linear build_init(const splitgrad::InitMethod& init) {
+    return splitgrad::Linear(splitgrad::LinearOptions(4, 3).init_method(init).device(kCPU));
+  }
+  static torch::Tensor run(splitgrad::Linear& m, const torch::Tensor& x,
+                           std::optional<bool> first) {
+    return first ? m(x, *first) : m(x);
+  }
+  static torch::Tensor run_in_sequential(splitgrad::Linear& m, const torch::Tensor& x) {
+    return torch::nn::Sequential(m)->forward(x);
+  }
 };
 
 template <>
@@ -46,6 +58,18 @@ struct Traits<splitgrad::GroupedLinear> {
   static void tie(splitgrad::GroupedLinear& m, splitgrad::GroupedLinear& other) {
     m->tie_weight(0, other->weights[0]);
   }
+  static constexpr int kGemms = 2;  // experts
+  static splitgrad::GroupedLinear build_init(const splitgrad::InitMethod& init) {
+    return splitgrad::GroupedLinear(
+        splitgrad::GroupedLinearOptions(2, 4, 3).init_method(init).device(kCPU));
+  }
+  static torch::Tensor run(splitgrad::GroupedLinear& m, const torch::Tensor& x,
+                           std::optional<bool> first) {
+    return first ? m(x, torch::tensor({2, 3}), *first) : m(x, torch::tensor({2, 3}));
+  }
+  static torch::Tensor run_in_sequential(splitgrad::GroupedLinear& m, const torch::Tensor& x) {
+    return torch::nn::Sequential(m)->forward(x, torch::tensor({2, 3}));
+  }
 };
 
 template <>
@@ -59,6 +83,18 @@ struct Traits<splitgrad::LayerNormLinear> {
   static void tie(splitgrad::LayerNormLinear& m, splitgrad::LayerNormLinear& other) {
     m->tie_parameter("weight", other->weight);
   }
+  static constexpr int kGemms = 1;
+  static splitgrad::LayerNormLinear build_init(const splitgrad::InitMethod& init) {
+    return splitgrad::LayerNormLinear(
+        splitgrad::LayerNormLinearOptions(4, 3).init_method(init).device(kCPU));
+  }
+  static torch::Tensor run(splitgrad::LayerNormLinear& m, const torch::Tensor& x,
+                           std::optional<bool> first) {
+    return first ? m(x, *first) : m(x);
+  }
+  static torch::Tensor run_in_sequential(splitgrad::LayerNormLinear& m, const torch::Tensor& x) {
+    return torch::nn::Sequential(m)->forward(x);
+  }
 };
 
 template <>
@@ -71,6 +107,20 @@ struct Traits<splitgrad::LayerNormMLP> {
   static torch::Tensor tied(splitgrad::LayerNormMLP& m) { return m->fc1_weight; }
   static void tie(splitgrad::LayerNormMLP& m, splitgrad::LayerNormMLP& other) {
     m->tie_parameter("fc1_weight", other->fc1_weight);
+  }
+  static constexpr int kGemms = 2;  // fc1 by init_method, fc2 by output_layer_init_method
+  static splitgrad::LayerNormMLP build_init(const splitgrad::InitMethod& init) {
+    return splitgrad::LayerNormMLP(splitgrad::LayerNormMLPOptions(4, 6)
+                                       .init_method(init)
+                                       .output_layer_init_method(init)
+                                       .device(kCPU));
+  }
+  static torch::Tensor run(splitgrad::LayerNormMLP& m, const torch::Tensor& x,
+                           std::optional<bool> first) {
+    return first ? m(x, *first) : m(x);
+  }
+  static torch::Tensor run_in_sequential(splitgrad::LayerNormMLP& m, const torch::Tensor& x) {
+    return torch::nn::Sequential(m)->forward(x);
   }
 };
 
@@ -98,6 +148,47 @@ TYPED_TEST(ModuleBase, PendingPassesAndTheGuardOnZeroGradAndSave) {
   EXPECT_NO_THROW(torch::save(module, stream));
   splitgrad::set_pending_work_policy(splitgrad::PendingWorkPolicy::kWarn);
   for (const auto& param : module->parameters()) EXPECT_FALSE(param.grad().defined());
+}
+
+// TE's keywords in C++: init_method draws each GEMM weight (under no-grad) and zeroes its bias,
+// need_backward_dw() says whether the module defers, and forward()'s is_first_microbatch is
+// accepted and changes nothing, also through torch::nn::Sequential (which fills the default).
+TYPED_TEST(ModuleBase, TeInitMethodNeedBackwardDwAndIsFirstMicrobatch) {
+  using T = Traits<TypeParam>;
+  int calls = 0;
+  auto module = T::build_init([&](const at::Tensor& weight) {
+    ++calls;
+    weight.fill_(0.25);
+  });
+  EXPECT_EQ(calls, T::kGemms);
+  int gemm_params = 0;
+  for (const auto& item : module->named_parameters()) {
+    const std::string& name = item.key();
+    if (name.find("layer_norm") != std::string::npos) continue;
+    const torch::Tensor& p = item.value();
+    const double want = name.find("weight") != std::string::npos ? 0.25 : 0.0;
+    EXPECT_TRUE(torch::equal(p, torch::full_like(p, want))) << name;
+    EXPECT_TRUE(p.requires_grad()) << name;
+    ++gemm_params;
+  }
+  EXPECT_EQ(gemm_params, 2 * T::kGemms) << "a weight and a bias per GEMM";
+  auto plain = T::build(/*delay=*/false, "");
+  for (const auto& item : plain->named_parameters()) {
+    const std::string& name = item.key();
+    if (name.find("bias") == std::string::npos || name.find("layer_norm") != std::string::npos) {
+      continue;
+    }
+    EXPECT_GT(item.value().abs().max().item().toDouble(), 0.0) << name << ": nn.Linear's draw";
+  }
+
+  EXPECT_FALSE(module->need_backward_dw());
+  auto delayed = T::build(/*delay=*/true, "");
+  EXPECT_TRUE(delayed->need_backward_dw());
+  const torch::Tensor x = torch::randn({5, 4});
+  const torch::Tensor y = T::run(delayed, x, std::nullopt);
+  EXPECT_TRUE(torch::equal(T::run(delayed, x, true), y));
+  EXPECT_TRUE(torch::equal(T::run(delayed, x, false), y));
+  EXPECT_TRUE(torch::equal(T::run_in_sequential(delayed, x), y));
 }
 
 TYPED_TEST(ModuleBase, RegularModuleQueuesNothingAndBackwardDwDoesNothing) {
