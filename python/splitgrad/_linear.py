@@ -497,8 +497,6 @@ class _DeferredWgradModule(nn.Module):
                 call = pass_hooks.get(id(hook)) or pass_hooks.setdefault(id(hook), _ModulePassHook(hook))
                 call.watch(params)
                 self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
-                if "_pass_marker" not in self.__dict__:
-                    self.__dict__["_pass_marker"] = self.register_forward_hook(_note_passes_of_outputs)
 
     def _keep_init_methods(self, **methods) -> None:
         for key, fn in methods.items():
@@ -789,12 +787,9 @@ class _SharedParamHook:
 
 class _ModulePassHook:
     """Calls a TE-style ``hook()`` once per backward pass of a module: when each parameter of the
-    module that requires grad has had its gradient-ready event of that pass, in a pass that ran the
-    module. Events are told apart by pass (``_C.grad_ready_pass()``), so those of a tied parameter's
-    passes that did not run the module complete none, even where every parameter of the module is
-    tied into the layer that ran; a pass ran the module when the gradient reached one of its
-    outputs there (_note_passes_of_outputs). Kept across re-installs (re-tying), so a pass under
-    way is not lost."""
+    module that requires grad has had its gradient-ready event of that pass. Events are told apart
+    by pass (``_C.grad_ready_pass()``), so those of a tied parameter's passes that did not run the
+    module complete none. Kept across re-installs (re-tying), so a pass under way is not lost."""
 
     _KEEP = 64  # incomplete passes remembered (a tied parameter's passes that skipped the module)
 
@@ -802,61 +797,23 @@ class _ModulePassHook:
         self._hook = hook
         self._params: list[torch.Tensor] = []
         self._passes: dict[int | None, set[int]] = {}  # pass id -> ids of the parameters ready
-        self._ran: dict[int, None] = {}  # the passes that ran the module, oldest first
-        self._untold = False  # a forward whose passes could not be told (compiled, transformed)
         self._lock = threading.Lock()
 
     def watch(self, params: list[torch.Tensor]) -> None:
         with self._lock:
             self._params = list(params)
 
-    def ran(self, pass_id: int | None) -> None:
-        with self._lock:
-            if pass_id is None:
-                self._untold = True
-                return
-            self._ran[pass_id] = None
-            while len(self._ran) > self._KEEP:
-                del self._ran[next(iter(self._ran))]
-
     def __call__(self, param: torch.Tensor) -> None:
         pass_id = grad_ready_pass()
         with self._lock:
             ready = self._passes.setdefault(pass_id, set())
             ready.add(id(param))
-            of_module = pass_id is None or pass_id < 0 or pass_id in self._ran or self._untold
-            if not of_module or not all(id(p) in ready for p in self._params if p.requires_grad):
+            if not all(id(p) in ready for p in self._params if p.requires_grad):
                 while len(self._passes) > self._KEEP:
                     del self._passes[next(iter(self._passes))]
                 return
             del self._passes[pass_id]
-            self._ran.pop(pass_id, None)
         self._hook()
-
-
-def _note_passes_of_outputs(module: nn.Module, args, output) -> None:
-    """A forward hook of a module with TE-style hooks: each backward pass in which the gradient
-    reaches one of the outputs ran the module (its autograd graph task, the pass id of
-    grad_ready_pass())."""
-    calls = list(module.__dict__.get("_pass_hooks", {}).values())
-    if not calls or not torch.is_grad_enabled():
-        return
-    outputs = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
-               if isinstance(t, torch.Tensor) and t.requires_grad and not t.is_leaf]  # not return_bias's
-    if not outputs:
-        return
-    if torch.compiler.is_compiling() or any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in outputs):
-        for call in calls:  # no tensor hook there: every pass counts as the module's
-            call.ran(None)
-        return
-
-    def note(grad):
-        task = torch._C._current_graph_task_id()
-        for call in calls:
-            call.ran(task if task >= 0 else None)
-
-    for t in outputs:
-        t.register_hook(note)
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:

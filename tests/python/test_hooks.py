@@ -298,35 +298,6 @@ def test_te_style_hook_counts_only_passes_that_ran_the_module():
     assert calls == [0], "once, when nothing is owed any more"
 
 
-@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
-@pytest.mark.parametrize("other", ["splitgrad", "F.linear"])
-def test_te_style_hook_skips_a_pass_that_reached_all_its_parameters_through_another_layer(delay, other):
-    """Every parameter of M tied into N (or used by a plain F.linear): a pass that runs only N makes
-    each of M's parameters ready, yet is no pass of M, whose no-argument hook stays silent; a pass
-    through M calls it once. Also with a second backward over a retained graph (a pass of its own)."""
-    m = linear(False, name="m")
-    n = linear(delay, name="n")
-    n.weight, n.bias = m.weight, m.bias
-    calls = []
-    m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(1))
-    x = torch.randn(4, D)
-    run_other = (lambda t: n(t)) if other == "splitgrad" else (lambda t: nn.functional.linear(t, m.weight, m.bias))
-    for _ in range(2):
-        run_other(x).sum().backward()  # not a pass of m
-        if other == "splitgrad":
-            n.backward_dw()
-    assert calls == []
-    y = m(x).sum()
-    y.backward(retain_graph=True)
-    assert calls == [1]
-    y.backward()  # the retained graph's second pass runs m again
-    assert calls == [1, 1]
-    run_other(x).sum().backward()
-    if other == "splitgrad":
-        n.backward_dw()
-    assert calls == [1, 1]
-
-
 def test_te_style_hook_keeps_a_pass_under_way_across_re_tying():
     layer = splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=True)
     calls = []
