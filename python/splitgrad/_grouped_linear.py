@@ -267,14 +267,14 @@ class GroupedLinear(_DeferredWgradModule):
         with _typed_errors():
             _C.check_grouped_linear_args(self._layer_id, inp, splits, counts, weights, biases,
                                          inp.dtype if cast else None)
-        rows = inp.reshape(-1, self.in_features)
+        rows = inp.flatten(0, -2) if inp.dim() > 1 else inp.unsqueeze(0)  # in_features may be 0 here
         trained = [w for w in weights if _base_of(w).requires_grad]
         if trained:  # one warning for the layer
             self._warn_if_fused_functional(trained[0], "each expert's weight{i}")
         pieces = rows.split(counts)
         outs = [nn.functional.linear(x, w, biases[i] if biases else None)
                 for i, (x, w) in enumerate(zip(pieces, weights))]
-        return torch.cat(outs).reshape(*inp.shape[:-1], self.out_features)
+        return torch.cat(outs).reshape(*inp.shape[:-1], weights[0].shape[0])
 
     def extra_repr(self) -> str:
         return (

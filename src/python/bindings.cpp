@@ -1,5 +1,6 @@
 // splitgrad._C: the Python face of the deferred-wgrad store and the grad-ready hooks. The ops
 // themselves are not bound here: they are registered with the dispatcher (torch.ops.splitgrad.*).
+#include <c10/util/accumulate.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/extension.h>
 
@@ -193,8 +194,11 @@ PYBIND11_MODULE(_C, m) {
         auto who = [&] { return splitgrad::detail::layer_label(layer_id); };
         splitgrad::detail::check_grouped_linear_args(who, input, m_splits, weights, biases,
                                                      /*splits_on_cpu_only=*/false, compute_dtype);
-        // The input's last dimension is in_features (checked above, and at least 1).
-        splitgrad::detail::check_split_sizes(who, split_sizes, input.numel() / input.size(-1));
+        // The rows: the input's leading dimensions (it has at least one, checked above; its last
+        // may be 0 where a substituted weight has no in_features).
+        const auto sizes = input.sizes();
+        splitgrad::detail::check_split_sizes(
+            who, split_sizes, c10::multiply_integers(sizes.begin(), sizes.end() - 1));
         END_HANDLE_TH_ERRORS_PYBIND
       },
       py::arg("layer_id"), py::arg("input"), py::arg("m_splits"), py::arg("split_sizes"),

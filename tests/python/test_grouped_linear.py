@@ -1281,6 +1281,27 @@ def test_argument_checks_under_transforms_name_the_layer_as_eager_ones(how):
     assert splitgrad.pending_wgrads() == 0
 
 
+@pytest.mark.parametrize("shape", [(6, 0), (2, 3, 0)])
+def test_substituted_weights_without_in_features_under_a_transform_give_the_eager_result(shape):
+    """Weights of no in_features substituted by functional_call: the products are the biases, as
+    eager; under a transform too (the splits' check computed the rows by a division by 0)."""
+    layer = splitgrad.GroupedLinear(3, 4, 5, device="cpu")
+    params = {k: (torch.zeros(5, 0) if k.startswith("weight") else v.detach()) for k, v in layer.named_parameters()}
+    x = torch.randn(*shape)
+
+    def loss(x):
+        return torch.func.functional_call(layer, params, (x, [2, 1, 3])).pow(2).sum()
+
+    eager = torch.func.functional_call(layer, params, (x, [2, 1, 3]))
+    want = torch.cat([params[f"bias{i}"].expand(n, 5) for i, n in enumerate([2, 1, 3])]).reshape(*shape[:-1], 5)
+    torch.testing.assert_close(eager, want, rtol=0, atol=0)
+    torch.testing.assert_close(torch.func.grad(loss)(x), torch.zeros(shape), rtol=0, atol=0)
+    with torch.autograd.forward_ad.dual_level():
+        dual = torch.autograd.forward_ad.make_dual(x, torch.ones_like(x))
+        torch.testing.assert_close(torch.autograd.forward_ad.unpack_dual(
+            torch.func.functional_call(layer, params, (dual, [2, 1, 3]))).primal, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("delay,fused", [(False, False), (True, False), (True, True)])
 def test_batched_backward_matches_per_expert_linear(delay, fused):
     """autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run the backward under
