@@ -66,7 +66,7 @@ class LayerNormLinearImpl : public DeferredWgradModule<LayerNormLinearImpl> {
   explicit LayerNormLinearImpl(const LayerNormLinearOptions& options);
 
   /// Creates the parameters (norm weight 1, or 0 with zero_centered_gamma; norm bias 0; the
-  /// linear map as nn.Linear initialises it) and registers the module.
+  /// linear map as nn.Linear initialises it, or by init_method) and registers the module.
   void reset() override;
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;

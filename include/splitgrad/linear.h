@@ -67,7 +67,8 @@ class LinearImpl : public DeferredWgradModule<LinearImpl> {
   /// are already registered): reset_parameters() re-draws them in place.
   void reset() override;
   /// Re-initialises the parameters in place as torch::nn::Linear does: weight kaiming-uniform
-  /// (a = √5), bias uniform in ±1/√in_features.
+  /// (a = √5), bias uniform in ±1/√in_features; with an init_method, as TE: the weight by it, the
+  /// bias zero.
   void reset_parameters();
   /// Prints "splitgrad::Linear(in_features=…, out_features=…, bias=…, delay_wgrad_compute=…,
   /// fuse_wgrad_accumulation=…)".
