@@ -49,9 +49,7 @@ class DeferredWgradModule : public torch::nn::Cloneable<Derived> {
   }
   /// TE's name: whether this module defers its weight gradients to backward_dw() (built with
   /// delay_wgrad_compute).
-  bool need_backward_dw() const {
-    return static_cast<const Derived&>(*this).options.delay_wgrad_compute();
-  }
+  bool need_backward_dw() const { return derived().options.delay_wgrad_compute(); }
   /// The backward passes with work queued for this module, oldest first.
   std::vector<int64_t> pending_passes() const { return layer_->pending_passes(); }
   /// Deferred wgrad items queued for this module: one per application and GEMM (GroupedLinear's

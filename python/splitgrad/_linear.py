@@ -404,6 +404,10 @@ class _DeferredWgradModule(nn.Module):
         return _linear_op(inp, weight, bias, None, None, self._layer_id, self.delay_wgrad_compute, activation,
                           fused, gemm or None)
 
+    def _label(self, gemm: str = "") -> str:
+        """"splitgrad layer 'mlp' (fc1)", as the C++ checks name a layer and its GEMM."""
+        return f"splitgrad layer '{self.name}'" + (f" ({gemm})" if gemm else "")
+
     def _main_grad_of(self, param: torch.Tensor, what: str, required: bool = True,
                       gemm: str = "") -> torch.Tensor | None:
         """``param.main_grad``, checked. The weight's is required; a bias without one gets its
@@ -413,14 +417,13 @@ class _DeferredWgradModule(nn.Module):
         if not param.requires_grad or not torch.is_grad_enabled():
             return None
         main_grad = None
-        who = f"splitgrad layer '{self.name}'" + (f" ({gemm})" if gemm else "")  # as the C++ checks name it
         if not _main_grad_at_backward_only(param):
             main_grad = getattr(param, "main_grad", None)
             if main_grad is None and not required:
                 return None
             if main_grad is None and not param.is_leaf:
                 raise MainGradError(
-                    f"{who}: fuse_wgrad_accumulation=True needs {what}.main_grad, "
+                    f"{self._label(gemm)}: fuse_wgrad_accumulation=True needs {what}.main_grad, "
                     f"but {what} is computed here (torch.nn.utils.prune, a parametrization, or a "
                     "functional_call substitute made it from other tensors), and a computed tensor "
                     "takes no main_grad: its gradient flows on to the tensors it came from. Build "
@@ -428,12 +431,12 @@ class _DeferredWgradModule(nn.Module):
                 )
             if main_grad is None:
                 raise MainGradError(
-                    f"{who}: fuse_wgrad_accumulation=True needs {what}.main_grad, "
+                    f"{self._label(gemm)}: fuse_wgrad_accumulation=True needs {what}.main_grad, "
                     f"an fp32 tensor of shape {list(param.shape)} (Megatron's contract); it is not set"
                 )
             if not isinstance(main_grad, torch.Tensor):
                 raise MainGradError(
-                    f"{who}: expected {what}.main_grad to be a torch.Tensor, "
+                    f"{self._label(gemm)}: expected {what}.main_grad to be a torch.Tensor, "
                     f"got {type(main_grad).__name__}"
                 )
             _C.check_main_grad(self._layer_id, gemm, what, main_grad, param)

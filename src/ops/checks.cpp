@@ -11,10 +11,11 @@
 namespace splitgrad::detail {
 
 at::Tensor flatten_tokens(const at::Tensor& t) {
+  if (t.dim() == 2) return t;
   // Not reshape(-1, last): with no elements (a last dimension of 0) the -1 is ambiguous.
   if (t.dim() > 2) return t.flatten(0, -2);
   if (t.dim() == 1) return t.unsqueeze(0);
-  return t.dim() == 2 ? t : t.reshape_symint({c10::SymInt(-1), t.sym_size(-1)});
+  return t.reshape_symint({c10::SymInt(-1), t.sym_size(-1)});  // 0-d: the error names the shape
 }
 
 std::vector<int64_t> with_last_dim(at::IntArrayRef sizes, int64_t last) {

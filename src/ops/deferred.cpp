@@ -634,14 +634,13 @@ class BuffersBefore {
   // or an infinity (-inf + inf is nan), the sum cannot tell, so no nan is blamed there.
   std::string brought_nan(bool numbered) const {
     for (const Buffer& buffer : buffers_) {
+      const auto dense = [](const at::Tensor& t) {
+        return t.layout() == at::kStrided ? t : t.to_dense();
+      };
       at::Tensor now = buffer.main_grad.defined() ? buffer.main_grad : buffer.param.grad();
       if (!now.defined()) continue;
-      at::Tensor fresh = at::isnan(now.layout() == at::kStrided ? now : now.to_dense());
-      if (buffer.values.defined()) {
-        const at::Tensor& values = buffer.values;
-        fresh.logical_and_(
-            at::isfinite(values.layout() == at::kStrided ? values : values.to_dense()));
-      }
+      at::Tensor fresh = at::isnan(dense(now));
+      if (buffer.values.defined()) fresh.logical_and_(at::isfinite(dense(buffer.values)));
       if (!fresh.any().item<bool>()) continue;
       return c10::str(buffer.name, numbered ? std::to_string(buffer.group) : "", "'s ",
                       buffer.main_grad.defined() ? "main_grad" : ".grad");
