@@ -149,6 +149,13 @@ GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyH
 /// tell which of their events belong to one pass.
 std::optional<int64_t> grad_ready_pass();
 
+/// Inside a grad-ready hook: the ids (LayerHandle::id()) of the splitgrad layers whose ops
+/// contributed to the parameter in the pass it reports on, each once; empty elsewhere, and for a
+/// gradient that came only from other ops (or from a layer's ops inside a compiled or CUDA-graphed
+/// region, which do not run as such). Lets a module's hook tell its own passes from those that
+/// reach a tied parameter through another layer.
+std::vector<int64_t> grad_ready_layers();
+
 namespace detail {
 /// The hooks a module registered with register_wgrad_accumulation_and_reduce_hooks(), kept so that
 /// they follow its parameters when one is re-tied (tie_weight), as the Python modules' do. A copy

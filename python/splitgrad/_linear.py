@@ -498,7 +498,7 @@ class _DeferredWgradModule(nn.Module):
                 self._reduce_hook_handles += [_SharedParamHook.register(p, hook, self) for p in params]
             else:
                 call = pass_hooks.get(id(hook)) or pass_hooks.setdefault(id(hook), _ModulePassHook(hook))
-                call.watch(params)
+                call.watch(params, self._layer_id)
                 self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
 
     def _keep_init_methods(self, **methods) -> None:
@@ -790,33 +790,44 @@ class _SharedParamHook:
 
 class _ModulePassHook:
     """Calls a TE-style ``hook()`` once per backward pass of a module: when each parameter of the
-    module that requires grad has had its gradient-ready event of that pass. Events are told apart
-    by pass (``_C.grad_ready_pass()``), so those of a tied parameter's passes that did not run the
-    module complete none. Kept across re-installs (re-tying), so a pass under way is not lost."""
+    module that requires grad has had its gradient-ready event of that pass, and the module's own
+    ops contributed to one of them. Events are told apart by pass (``_C.grad_ready_pass()``), and
+    each names the splitgrad layers whose ops contributed (``_C.grad_ready_layers()``): a pass
+    that reaches the module's parameters only through other splitgrad layers they are tied to is
+    not the module's. A pass no splitgrad op took part in (the module compiled or CUDA-graphed,
+    whose ops do not run as such) counts as the module's. Kept across re-installs (re-tying), so
+    a pass under way is not lost."""
 
     _KEEP = 64  # incomplete passes remembered (a tied parameter's passes that skipped the module)
 
     def __init__(self, hook: Callable) -> None:
         self._hook = hook
         self._params: list[torch.Tensor] = []
-        self._passes: dict[int | None, set[int]] = {}  # pass id -> ids of the parameters ready
+        self._layer_id = 0
+        # pass id -> (ids of the parameters ready, the splitgrad layers that contributed to them)
+        self._passes: dict[int | None, tuple[set[int], set[int]]] = {}
         self._lock = threading.Lock()
 
-    def watch(self, params: list[torch.Tensor]) -> None:
+    def watch(self, params: list[torch.Tensor], layer_id: int) -> None:
         with self._lock:
             self._params = list(params)
+            self._layer_id = layer_id
 
     def __call__(self, param: torch.Tensor) -> None:
         pass_id = grad_ready_pass()
+        contributors = _C.grad_ready_layers()
         with self._lock:
-            ready = self._passes.setdefault(pass_id, set())
+            ready, layers = self._passes.setdefault(pass_id, (set(), set()))
             ready.add(id(param))
+            layers.update(contributors)
             if not all(id(p) in ready for p in self._params if p.requires_grad):
                 while len(self._passes) > self._KEEP:
                     del self._passes[next(iter(self._passes))]
                 return
             del self._passes[pass_id]
-        self._hook()
+            ours = not layers or self._layer_id in layers
+        if ours:
+            self._hook()
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:

@@ -122,12 +122,34 @@ void GradLedger::note_autograd_contribution(const at::Tensor& param, PassId pass
                         "GradLedger: autograd contribution after its pass ended (pass ", pass, ")");
 }
 
-void GradLedger::note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass) {
+void GradLedger::add_layer(PassState& state, LayerId layer) {
+  if (layer > 0 && std::find(state.layers.begin(), state.layers.end(), layer) == state.layers.end())
+    state.layers.push_back(layer);
+}
+
+void GradLedger::note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass,
+                                            LayerId layer) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& param : params) {
-    TORCH_INTERNAL_ASSERT(!pass_state(param, pass).autograd_done,
+    PassState& state = pass_state(param, pass);
+    TORCH_INTERNAL_ASSERT(!state.autograd_done,
                           "GradLedger: autograd contribution after its pass ended (pass ", pass,
                           ")");
+    add_layer(state, layer);
+  }
+}
+
+void GradLedger::note_layer_contribution(const std::vector<at::Tensor>& params, PassId pass,
+                                         LayerId layer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& param : params) {
+    auto it = params_.find(param.unsafeGetTensorImpl());
+    if (it == params_.end() || it->second.hooks.empty() || it->second.impl.expired()) continue;
+    PassState& state = pass_state(param, pass);
+    TORCH_INTERNAL_ASSERT(!state.autograd_done,
+                          "GradLedger: autograd contribution after its pass ended (pass ", pass,
+                          ")");
+    add_layer(state, layer);
   }
 }
 
@@ -136,9 +158,14 @@ void GradLedger::expect_deferred(const at::Tensor& param, PassId pass) {
   pass_state(param, pass).owed += 1;
 }
 
-void GradLedger::expect_deferred(const std::vector<at::Tensor>& params, PassId pass) {
+void GradLedger::expect_deferred(const std::vector<at::Tensor>& params, PassId pass,
+                                 LayerId layer) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& param : params) pass_state(param, pass).owed += 1;
+  for (const auto& param : params) {
+    PassState& state = pass_state(param, pass);
+    state.owed += 1;
+    add_layer(state, layer);
+  }
 }
 
 void GradLedger::deferred_landed(const at::Tensor& param, PassId pass) {
@@ -228,9 +255,10 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
   if (!ps->second.autograd_done || ps->second.owed > 0) return;
   const bool complete = !ps->second.incomplete;
   const PassId ps_pass = ps->first;
+  std::vector<LayerId> layers = std::move(ps->second.layers);
   state.passes.erase(ps);
   if (complete && !state.hooks.empty()) {
-    Firing firing{state.impl, ps_pass, {}};
+    Firing firing{state.impl, ps_pass, std::move(layers), {}};
     firing.hooks.reserve(state.hooks.size());
     for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
     out.push_back(std::move(firing));
@@ -246,19 +274,27 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
 
 namespace {
 thread_local std::optional<PassId> current_firing_pass;
+thread_local const std::vector<LayerId>* current_firing_layers = nullptr;
 }  // namespace
 
 std::optional<PassId> GradLedger::firing_pass() { return current_firing_pass; }
+
+const std::vector<LayerId>& GradLedger::firing_layers() {
+  static const std::vector<LayerId> none;
+  return current_firing_layers != nullptr ? *current_firing_layers : none;
+}
 
 void GradLedger::fire(std::vector<Firing>& firings) {
   // Every hook runs even if an earlier one throws: the passes are settled already, so a hook
   // skipped now would never run for them. The first exception is rethrown once all have run.
   std::exception_ptr first_error;
   const std::optional<PassId> outer = current_firing_pass;  // a hook may fire others (nested)
+  const std::vector<LayerId>* outer_layers = current_firing_layers;
   for (auto& firing : firings) {
     const at::Tensor param(firing.param.lock());
     if (!param.defined()) continue;  // freed since it settled: nothing to report on
     current_firing_pass = firing.pass;
+    current_firing_layers = &firing.layers;
     for (auto& hook : firing.hooks) {
       try {
         hook(param);
@@ -268,6 +304,7 @@ void GradLedger::fire(std::vector<Firing>& firings) {
     }
   }
   current_firing_pass = outer;
+  current_firing_layers = outer_layers;
   if (first_error) std::rethrow_exception(first_error);
 }
 

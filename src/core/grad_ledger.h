@@ -9,7 +9,9 @@
 //   - deferred wgrad items queued during pass k: they land one by one in backward_dw().
 // P's hooks fire for pass k when both are over: the graph task has ended and no deferred item of
 // pass k for P is outstanding. So each hook runs exactly once per pass, after the last
-// contribution.
+// contribution. A contribution may name the splitgrad layer whose op made it; the hooks see which
+// layers did (firing_layers()), so a module's hook can tell its own passes from a tied
+// parameter's passes through other layers.
 
 #include <ATen/core/Tensor.h>
 
@@ -25,6 +27,9 @@ namespace splitgrad::core {
 /// Identifies one backward pass (an autograd graph task id, or a synthetic negative id for work
 /// queued outside any graph task).
 using PassId = int64_t;
+
+/// Identifies a layer registered with the store (WgradStore::register_layer); 0 is "no layer".
+using LayerId = int64_t;
 
 /// Called with the parameter once its gradient for a pass is complete.
 using GradReadyHook = std::function<void(const at::Tensor& param)>;
@@ -52,6 +57,9 @@ class GradLedger {
   /// Inside a hook this ledger is running: the backward pass whose completion it reports; else
   /// nullopt (per thread).
   static std::optional<PassId> firing_pass();
+  /// Inside a hook this ledger is running: the layers that contributed to the parameter in that
+  /// pass (ids > 0, each once, in the order first seen); empty elsewhere (per thread).
+  static const std::vector<LayerId>& firing_layers();
   bool open_pass(PassId pass);
   /// Pass `pass` made (or will have made, by its end) an autograd contribution to `param`.
   void note_autograd_contribution(const at::Tensor& param, PassId pass);
@@ -64,8 +72,14 @@ class GradLedger {
   void deferred_dropped(const at::Tensor& param, PassId pass);
   /// The three above for each of `params` under one lock (a parameter listed twice counts twice):
   /// one item's targets at once. Hooks fire after every parameter has been counted.
-  void note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass);
-  void expect_deferred(const std::vector<at::Tensor>& params, PassId pass);
+  /// `layer` > 0 names the layer whose op makes the contributions (firing_layers()).
+  void note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass,
+                                  LayerId layer = 0);
+  void expect_deferred(const std::vector<at::Tensor>& params, PassId pass, LayerId layer = 0);
+  /// `layer`'s op returned gradients of `params` to autograd in `pass` (AccumulateGrad adds them;
+  /// the grad-ready tensor hooks count them): recorded for the parameters with hooks only, the
+  /// others have nobody to tell.
+  void note_layer_contribution(const std::vector<at::Tensor>& params, PassId pass, LayerId layer);
   void deferred_landed(const std::vector<at::Tensor>& params, PassId pass);
   void deferred_dropped(const std::vector<at::Tensor>& params, PassId pass);
   /// The autograd part of `pass` is over (its graph task ended). Fires the hooks of every parameter
@@ -89,7 +103,8 @@ class GradLedger {
   struct PassState {
     int64_t owed = 0;  // deferred items queued and not yet landed or dropped
     bool autograd_done = false;
-    bool incomplete = false;  // a contribution was dropped: do not fire for this pass
+    bool incomplete = false;      // a contribution was dropped: do not fire for this pass
+    std::vector<LayerId> layers;  // the layers whose ops contributed (usually one)
   };
   // A parameter's state stays once it is empty (no pass, hook or drop: every step's passes settle
   // and reopen it, and erasing and re-creating it was most of the ledger's host time), but without
@@ -111,6 +126,7 @@ class GradLedger {
   struct Firing {
     WeakTensor param;
     PassId pass;
+    std::vector<LayerId> layers;
     std::vector<GradReadyHook> hooks;
   };
 
@@ -121,6 +137,7 @@ class GradLedger {
 
   ParamState& state_for(const at::Tensor& param);               // requires mutex_
   PassState& pass_state(const at::Tensor& param, PassId pass);  // requires mutex_
+  static void add_layer(PassState& state, LayerId layer);
   // One deferred contribution of `pass` to `param` landed.
   void landed_locked(const at::Tensor& param, PassId pass, std::vector<Firing>& out);
   // Collects the hooks to fire for (param, pass) if it owes nothing; erases settled state.

@@ -19,9 +19,6 @@
 
 namespace splitgrad::core {
 
-/// Identifies a layer registered with the store (0 is "no layer").
-using LayerId = int64_t;
-
 /// One group's gradient targets in a grouped application (GroupedLinear's expert i). Empty
 /// members receive nothing. The parameters are held weakly, as DeferredWgrad's are.
 struct GroupTargets {

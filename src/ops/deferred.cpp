@@ -749,7 +749,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   item.pass = pass.id();
   auto& ledger = GradLedger::instance();
   if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
-    ledger.note_autograd_contribution(item.targets(), pass.id());
+    ledger.note_autograd_contribution(item.targets(), pass.id(), layer);
     const ReferenceBatch::Reentry reentry;
     const std::string nan = add_to_sinks(
         layer, gemm, sinks, grouped, anomaly_checks_nan(), "the fused weight gradient",
@@ -801,8 +801,21 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     item.autocast_enabled = at::autocast::is_autocast_enabled(device);
     item.autocast_dtype = at::autocast::get_autocast_dtype(device);
   }
-  ledger.expect_deferred(item.targets(), pass.id());
+  ledger.expect_deferred(item.targets(), pass.id(), layer);
   WgradStore::instance().push(std::move(item));
+}
+
+void note_returned_gradients(core::LayerId layer, const std::vector<at::Tensor>& params) {
+  if (layer <= 0) return;
+  auto& ledger = GradLedger::instance();
+  std::vector<at::Tensor> sinks;  // those with hooks: the others have nobody to tell
+  for (const at::Tensor& param : params) {
+    if (param.defined() && ledger.hook_count(param) > 0 && pass_accumulates_into(param))
+      sinks.push_back(param);
+  }
+  if (sinks.empty()) return;  // the pass is not opened for nothing
+  PassScope pass;
+  ledger.note_layer_contribution(sinks, pass.id(), layer);
 }
 
 }  // namespace detail
@@ -1535,6 +1548,8 @@ struct GradReadyHookHandle::State {
 };
 
 std::optional<int64_t> grad_ready_pass() { return GradLedger::firing_pass(); }
+
+std::vector<int64_t> grad_ready_layers() { return GradLedger::firing_layers(); }
 
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook) {
   TORCH_CHECK_VALUE(param.defined(),

@@ -139,6 +139,12 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
                          const std::string& input_activation = std::string(),
                          const std::string& gemm = std::string());
 
+/// A backward of `layer` returns gradients of `params` (those it was asked for; undefined ones are
+/// skipped) to autograd, which adds them to the .grads: the grad-ready hooks of that pass learn
+/// that `layer` contributed (GradLedger::firing_layers()), as they do for its fused and deferred
+/// gradients through accumulate_or_defer.
+void note_returned_gradients(core::LayerId layer, const std::vector<at::Tensor>& params);
+
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);
 

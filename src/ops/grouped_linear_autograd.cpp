@@ -200,6 +200,15 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       any_bias_wanted |= static_cast<bool>(bias_wanted[i]);
     }
 
+    auto wanted_params = [&] {  // for the ledger: the gradients returned to autograd
+      std::vector<at::Tensor> params;
+      for (size_t i = 0; i < groups; ++i) {
+        if (weight_wanted[i]) params.push_back(weights[i]);
+        if (bias_wanted[i]) params.push_back(biases[i]);
+      }
+      return params;
+    };
+
     // autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run this backward under
     // the legacy vmap (torch.func's vmap also reaches here), whose fallback cannot batch ops
     // taking tensor lists (the grouped ops): there, as for create_graph, ATen ops per group, and
@@ -237,6 +246,7 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       }
       sum_tied_in_reverse(grads, weight_slot, weights);
       sum_tied_in_reverse(grads, bias_slot, biases);
+      note_returned_gradients(layer, wanted_params());
       return grads;
     }
     if (ctx->needs_input_grad(0)) {
@@ -270,6 +280,7 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       }
       sum_tied_in_reverse(grads, weight_slot, weights);
       sum_tied_in_reverse(grads, bias_slot, biases);
+      note_returned_gradients(layer, wanted_params());
       return grads;
     }
     if (any_returned) {

@@ -165,6 +165,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
         grads[1] = at::mm(dy.t(), flatten_tokens(x));
       }
       if (bias_wanted) grads[2] = dy.sum(0);
+      note_returned_gradients(
+          layer, {weight_wanted ? weight_param : at::Tensor(), bias_wanted ? bias : at::Tensor()});
       return grads;
     }
     if (ctx->needs_input_grad(0)) {
@@ -191,6 +193,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, gemm_input(), bias_wanted);
       if (weight_wanted) grads[1] = weight_grad;
       if (bias_wanted) grads[2] = bias_grad;
+      note_returned_gradients(
+          layer, {weight_wanted ? weight_param : at::Tensor(), bias_wanted ? bias : at::Tensor()});
       return grads;
     }
     if ((weight_wanted && !weight_sink) || (bias_wanted && !bias_sink)) {

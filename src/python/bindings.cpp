@@ -255,4 +255,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("param"), py::arg("hook"));
   m.def("grad_ready_pass", &splitgrad::grad_ready_pass,
         "Inside a grad-ready hook, the id of the backward pass it reports on; else None.");
+  m.def("grad_ready_layers", &splitgrad::grad_ready_layers,
+        "Inside a grad-ready hook, the ids of the splitgrad layers whose ops contributed to the "
+        "parameter in that pass; else [].");
 }

@@ -94,6 +94,30 @@ TEST_F(GradLedgerTest, DeferredLandingBeforeThePassEndsWaitsForTheEnd) {
   EXPECT_EQ(*calls, 1);
 }
 
+TEST_F(GradLedgerTest, HooksSeeTheLayersThatContributedInTheirPass) {
+  at::Tensor p = torch::zeros({3});
+  at::Tensor unhooked = torch::zeros({3});
+  std::vector<std::vector<int64_t>> seen;
+  ledger().add_hook(p, [&](const at::Tensor&) { seen.push_back(GradLedger::firing_layers()); });
+  EXPECT_TRUE(GradLedger::firing_layers().empty()) << "outside a hook";
+
+  ledger().open_pass(kPassA);  // layer 7 deferred, layer 3 returned to autograd, 7 again
+  ledger().expect_deferred(std::vector<at::Tensor>{p}, kPassA, /*layer=*/7);
+  ledger().note_layer_contribution({p, unhooked}, kPassA, /*layer=*/3);
+  ledger().note_autograd_contribution(std::vector<at::Tensor>{p}, kPassA, /*layer=*/7);
+  ledger().open_pass(kPassB);  // only an ordinary op: no layer
+  ledger().note_autograd_contribution(p, kPassB);
+  ledger().autograd_pass_finished(kPassB);
+  ledger().autograd_pass_finished(kPassA);
+  ledger().deferred_landed(p, kPassA);
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_TRUE(seen[0].empty()) << "pass B named no layer";
+  EXPECT_EQ(seen[1], (std::vector<int64_t>{7, 3})) << "each layer once, in the order first seen";
+  EXPECT_TRUE(GradLedger::firing_layers().empty());
+  EXPECT_EQ(ledger().tracked_params(), 1u)
+      << "a parameter without hooks gets no state from a returned gradient";
+}
+
 TEST_F(GradLedgerTest, EachParameterFiresOnItsOwn) {
   at::Tensor weight = torch::zeros({2, 3});
   at::Tensor bias = torch::zeros({2});

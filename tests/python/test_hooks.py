@@ -298,6 +298,78 @@ def test_te_style_hook_counts_only_passes_that_ran_the_module():
     assert calls == [0], "once, when nothing is owed any more"
 
 
+def _fully_tied_pair(kind, delay_m, delay_n):
+    """Two modules of one kind, the second holding every parameter of the first."""
+    def make(delay):
+        if kind == "Linear":
+            return splitgrad.Linear(D, D, device="cpu", delay_wgrad_compute=delay)
+        if kind == "GroupedLinear":
+            return splitgrad.GroupedLinear(2, D, D, device="cpu", delay_wgrad_compute=delay)
+        return splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=delay)
+
+    m, n = make(delay_m), make(delay_n)
+    for name, p in m.named_parameters():
+        setattr(n, name, p)
+    return m, n
+
+
+def _apply(module, x):
+    return module(x, [1, 3]) if hasattr(module, "num_gemms") else module(x)  # GroupedLinear, its twin
+
+
+@pytest.mark.parametrize("kind", ["Linear", "GroupedLinear", "LayerNormLinear"])
+@pytest.mark.parametrize("delay_m", [True, False], ids=["m delayed", "m regular"])
+@pytest.mark.parametrize("delay_n", [True, False], ids=["n delayed", "n regular"])
+def test_te_style_hook_skips_a_pass_that_reaches_all_its_parameters_through_another_layer(
+        kind, delay_m, delay_n):
+    """Module n holds every parameter of module m: a pass that runs only n makes all of m's
+    gradients ready, but it is no pass of m, whose ops never ran; m's no-argument hook fires for
+    the passes that ran m, once each, with plain autograd's gradients; n's hook for every pass."""
+    m, n = _fully_tied_pair(kind, delay_m, delay_n)
+    reference_m, reference_n = to_reference(nn.ModuleList([m, n]))  # the ties kept
+    calls_m, calls_n = [], []
+    m.register_wgrad_accumulation_and_reduce_hooks(
+        lambda: calls_m.append({k: p.grad.clone() for k, p in m.named_parameters()}))
+    n.register_wgrad_accumulation_and_reduce_hooks(lambda: calls_n.append(1))
+    xs, gys = make_data(3, (4, D), D)
+
+    def finish(module):
+        if module.delay_wgrad_compute:
+            module.backward_dw()
+
+    _apply(n, xs[0]).backward(gys[0])  # a pass of n only
+    finish(n)
+    assert (calls_m, calls_n) == ([], [1])
+    _apply(m, xs[1]).backward(gys[1])  # a pass of m only
+    finish(m)
+    assert (len(calls_m), calls_n) == (1, [1])
+    _apply(n, _apply(m, xs[2])).backward(gys[2])  # a pass of both
+    finish(n)
+    finish(m)
+    assert (len(calls_m), len(calls_n)) == (2, 2)
+    _apply(reference_n, xs[0]).backward(gys[0])
+    _apply(reference_m, xs[1]).backward(gys[1])
+    _apply(reference_n, _apply(reference_m, xs[2])).backward(gys[2])
+    for name, p in reference_m.named_parameters():
+        torch.testing.assert_close(calls_m[-1][name], p.grad)
+
+
+def test_te_style_hook_of_a_compiled_module_fires_once_per_pass():
+    """Inside a compiled graph the module's ops do not run as such, so its passes name no layer:
+    such a pass counts as the module's, and its hook still fires once per pass."""
+    layer = linear(False)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(layer.weight.grad.clone()))
+    reference = to_reference(layer)
+    compiled = torch.compile(layer, backend="aot_eager")
+    xs, gys = make_data(2, (4, D), D)
+    for step, (x, gy) in enumerate(zip(xs, gys)):
+        compiled(x).backward(gy)
+        reference(x).backward(gy)
+        assert len(calls) == step + 1
+        torch.testing.assert_close(calls[-1], reference.weight.grad)
+
+
 def test_te_style_hook_keeps_a_pass_under_way_across_re_tying():
     layer = splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=True)
     calls = []
