@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,13 @@ class LayerHandle {
   /// comment says.
   /// \param pass an id from pending_passes()
   void backward_dw(int64_t pass);
+  /// Whether the layer ever ran where its backward is not its op's own: inside a traced graph
+  /// (torch.compile, jit.trace; a forward of its op with fake, functional or other
+  /// Python-dispatched tensors notes it), a CUDA graph capture or a torch.func transform (the
+  /// Python modules note those). There grad_ready_layer_ran() cannot name the layer.
+  bool ran_untracked() const;
+  /// Notes that the layer ran where its backward is not its op's (see ran_untracked()).
+  void note_ran_untracked();
 
  private:
   int64_t id_;
@@ -149,12 +157,12 @@ GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyH
 /// tell which of their events belong to one pass.
 std::optional<int64_t> grad_ready_pass();
 
-/// Inside a grad-ready hook: the ids (LayerHandle::id()) of the splitgrad layers whose ops
-/// contributed to the parameter in the pass it reports on, each once; empty elsewhere, and for a
-/// gradient that came only from other ops (or from a layer's ops inside a compiled or CUDA-graphed
-/// region, which do not run as such). Lets a module's hook tell its own passes from those that
-/// reach a tied parameter through another layer.
-std::vector<int64_t> grad_ready_layers();
+/// Inside a grad-ready hook: whether the ops of layer `layer` (a LayerHandle::id()) ran their
+/// backward in the pass it reports on; nullopt if no splitgrad layer's did (a pass through ordinary
+/// ops, or through layers whose backward is not their op's: see LayerHandle::ran_untracked()), and
+/// outside a hook. Lets a module's hook tell its own passes from those that reach a tied parameter
+/// through other layers only. A layer is noted only while some grad-ready hook exists.
+std::optional<bool> grad_ready_layer_ran(int64_t layer);
 
 namespace detail {
 /// The hooks a module registered with register_wgrad_accumulation_and_reduce_hooks(), kept so that

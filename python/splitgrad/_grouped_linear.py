@@ -237,6 +237,7 @@ class GroupedLinear(_DeferredWgradModule):
                             "lists of optional tensors, which the tracer does not record); use torch.export or "
                             "torch.compile")
         if path == "functional":
+            self._layer.note_ran_untracked()  # its backward will not name this layer
             return self._functional(inp, splits, weights, biases)
         fused = self.fuse_wgrad_accumulation
         with _typed_errors():
@@ -247,6 +248,8 @@ class GroupedLinear(_DeferredWgradModule):
             if path == "export":
                 # A graph meant to outlive this process records a regular, unfused call (layer 0).
                 return _grouped_linear_op(inp, splits, weights, biases, [], [], 0, False)
+            if path == "op":
+                self._note_if_captured(inp)
             return _grouped_linear_op(inp, splits, weights, biases, [], [], self._layer_id,
                                       self.delay_wgrad_compute, fused)
 

@@ -325,7 +325,7 @@ class _DeferredWgradModule(nn.Module):
             raise TypeError(f"is_first_microbatch: expected None or a bool, got {is_first_microbatch!r}")
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"splitgrad layer '{self.name}': expected a torch.Tensor input, got {type(inp).__name__}")
-        if self._reduce_hooks:
+        if self._reduce_hooks and not _exporting():  # export's fake parameters get no hooks
             self._refresh_reduce_hooks()
         if self.delay_wgrad_compute and DistributedDataParallel._active_ddp_module is not None:
             self._check_not_reduced_by_ddp(DistributedDataParallel._active_ddp_module)
@@ -390,9 +390,12 @@ class _DeferredWgradModule(nn.Module):
             # A graph meant to outlive this process records a regular, unfused call under no
             # layer id (0): it depends on no process-local registration, and its gradients go to
             # .grad at once.
+            if path == "trace":  # its backward will not name this layer (the reduce hooks)
+                self._layer.note_ran_untracked()
             return _linear_op(inp, weight, bias, None, None, 0, False, activation)
         if path == "functional":  # nn.Linear's own differentiable op
             assert activation is None, "the functional path applies the activation outside"
+            self._layer.note_ran_untracked()
             self._warn_if_fused_functional(weight, names[0])
             return nn.functional.linear(inp, weight, bias)
         # A fused layer's backward reads each main_grad when it computes that gradient, as TE's does
@@ -401,8 +404,16 @@ class _DeferredWgradModule(nn.Module):
         fused = self.fuse_wgrad_accumulation
         if path == "compile" and (self.delay_wgrad_compute or fused):
             return _linear_outside_graph(self, names, inp, weight, bias, activation, gemm or None)
+        if path == "op":
+            self._note_if_captured(inp)
         return _linear_op(inp, weight, bias, None, None, self._layer_id, self.delay_wgrad_compute, activation,
                           fused, gemm or None)
+
+    def _note_if_captured(self, inp: torch.Tensor) -> None:
+        """A forward captured into a CUDA graph: its replays run the backward without the op, which
+        the reduce hooks learn (LayerHandle.ran_untracked)."""
+        if self._reduce_hooks and inp.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._layer.note_ran_untracked()
 
     def _label(self, gemm: str = "") -> str:
         """"splitgrad layer 'mlp' (fc1)", as the C++ checks name a layer and its GEMM."""
@@ -498,7 +509,7 @@ class _DeferredWgradModule(nn.Module):
                 self._reduce_hook_handles += [_SharedParamHook.register(p, hook, self) for p in params]
             else:
                 call = pass_hooks.get(id(hook)) or pass_hooks.setdefault(id(hook), _ModulePassHook(hook))
-                call.watch(params, self._layer_id)
+                call.watch(params, self)
                 self._reduce_hook_handles += [register_grad_ready_hook(p, call) for p in params]
 
     def _keep_init_methods(self, **methods) -> None:
@@ -588,6 +599,8 @@ class _DeferredWgradModule(nn.Module):
             check_no_pending(f"state_dict() of '{module.name}'", module._own_parameters())
 
     def __del__(self):
+        for handle in self.__dict__.get("_reduce_hook_handles", ()):  # its hooks go with it
+            handle.remove()
         layer = self.__dict__.get("_layer")
         if layer is None:
             return
@@ -790,44 +803,47 @@ class _SharedParamHook:
 
 class _ModulePassHook:
     """Calls a TE-style ``hook()`` once per backward pass of a module: when each parameter of the
-    module that requires grad has had its gradient-ready event of that pass, and the module's own
-    ops contributed to one of them. Events are told apart by pass (``_C.grad_ready_pass()``), and
-    each names the splitgrad layers whose ops contributed (``_C.grad_ready_layers()``): a pass
-    that reaches the module's parameters only through other splitgrad layers they are tied to is
-    not the module's. A pass no splitgrad op took part in (the module compiled or CUDA-graphed,
-    whose ops do not run as such) counts as the module's. Kept across re-installs (re-tying), so
-    a pass under way is not lost."""
+    module that requires grad has had its gradient-ready event of that pass, and the module's ops
+    ran their backward in it. Events are told apart by pass (``_C.grad_ready_pass()``); a pass
+    in which other splitgrad layers' ops ran but not the module's (``_C.grad_ready_layer_ran()``
+    False) is none of its passes, unless the module once ran where its backward is not its op's
+    (``ran_untracked``: a traced or captured graph, a torch.func transform). Kept across
+    re-installs (re-tying), so a pass under way is not lost."""
 
-    _KEEP = 64  # incomplete passes remembered (a tied parameter's passes that skipped the module)
+    # Passes with some of the module's parameters ready, kept until the rest are: a bound against
+    # those that never complete (backward(inputs=...) with some of them), far above the passes a
+    # schedule keeps outstanding (a delayed LayerNorm module's norm is ready at each backward, its
+    # GEMM's parameters at each backward_dw()).
+    _KEEP = 4096
 
     def __init__(self, hook: Callable) -> None:
         self._hook = hook
         self._params: list[torch.Tensor] = []
-        self._layer_id = 0
-        # pass id -> (ids of the parameters ready, the splitgrad layers that contributed to them)
-        self._passes: dict[int | None, tuple[set[int], set[int]]] = {}
+        self._module: Callable[[], nn.Module | None] = lambda: None
+        self._passes: dict[int | None, set[int]] = {}  # pass id -> ids of the parameters ready
         self._lock = threading.Lock()
 
-    def watch(self, params: list[torch.Tensor], layer_id: int) -> None:
+    def watch(self, params: list[torch.Tensor], module: nn.Module) -> None:
         with self._lock:
             self._params = list(params)
-            self._layer_id = layer_id
+            self._module = weakref.ref(module)  # the parameters' hooks hold this object
 
     def __call__(self, param: torch.Tensor) -> None:
+        module = self._module()
+        if module is None:
+            return  # deleted (its hooks are being removed): no pass is its any more
+        if _C.grad_ready_layer_ran(module._layer_id) is False and not module._layer.ran_untracked:
+            return  # other layers' ops ran in this pass, the module's did not
         pass_id = grad_ready_pass()
-        contributors = _C.grad_ready_layers()
         with self._lock:
-            ready, layers = self._passes.setdefault(pass_id, (set(), set()))
+            ready = self._passes.setdefault(pass_id, set())
             ready.add(id(param))
-            layers.update(contributors)
             if not all(id(p) in ready for p in self._params if p.requires_grad):
                 while len(self._passes) > self._KEEP:
                     del self._passes[next(iter(self._passes))]
                 return
             del self._passes[pass_id]
-            ours = not layers or self._layer_id in layers
-        if ours:
-            self._hook()
+        self._hook()
 
 
 def name_layers(model: nn.Module, prefix: str = "") -> None:

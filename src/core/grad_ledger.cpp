@@ -60,7 +60,7 @@ GradLedger::PassState& GradLedger::pass_state(const at::Tensor& param, PassId pa
   ParamState& state = state_for(param);
   const auto found = find_pass(state, pass);
   if (found != state.passes.end()) return found->second;
-  open_passes_[pass].push_back(param.unsafeGetTensorImpl());
+  open_passes_[pass].params.push_back(param.unsafeGetTensorImpl());
   return state.passes.emplace_back(pass, PassState{}).second;
 }
 
@@ -81,6 +81,7 @@ uint64_t GradLedger::add_hook(const at::Tensor& param, GradReadyHook hook) {
   }
   uint64_t key = next_hook_key_++;
   state_for(param).hooks.emplace_back(key, std::move(hook));
+  hooks_registered_.store(true, std::memory_order_relaxed);
   return key;
 }
 
@@ -122,34 +123,12 @@ void GradLedger::note_autograd_contribution(const at::Tensor& param, PassId pass
                         "GradLedger: autograd contribution after its pass ended (pass ", pass, ")");
 }
 
-void GradLedger::add_layer(PassState& state, LayerId layer) {
-  if (layer > 0 && std::find(state.layers.begin(), state.layers.end(), layer) == state.layers.end())
-    state.layers.push_back(layer);
-}
-
-void GradLedger::note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass,
-                                            LayerId layer) {
+void GradLedger::note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& param : params) {
-    PassState& state = pass_state(param, pass);
-    TORCH_INTERNAL_ASSERT(!state.autograd_done,
+    TORCH_INTERNAL_ASSERT(!pass_state(param, pass).autograd_done,
                           "GradLedger: autograd contribution after its pass ended (pass ", pass,
                           ")");
-    add_layer(state, layer);
-  }
-}
-
-void GradLedger::note_layer_contribution(const std::vector<at::Tensor>& params, PassId pass,
-                                         LayerId layer) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& param : params) {
-    auto it = params_.find(param.unsafeGetTensorImpl());
-    if (it == params_.end() || it->second.hooks.empty() || it->second.impl.expired()) continue;
-    PassState& state = pass_state(param, pass);
-    TORCH_INTERNAL_ASSERT(!state.autograd_done,
-                          "GradLedger: autograd contribution after its pass ended (pass ", pass,
-                          ")");
-    add_layer(state, layer);
   }
 }
 
@@ -158,14 +137,9 @@ void GradLedger::expect_deferred(const at::Tensor& param, PassId pass) {
   pass_state(param, pass).owed += 1;
 }
 
-void GradLedger::expect_deferred(const std::vector<at::Tensor>& params, PassId pass,
-                                 LayerId layer) {
+void GradLedger::expect_deferred(const std::vector<at::Tensor>& params, PassId pass) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (const auto& param : params) {
-    PassState& state = pass_state(param, pass);
-    state.owed += 1;
-    add_layer(state, layer);
-  }
+  for (const auto& param : params) pass_state(param, pass).owed += 1;
 }
 
 void GradLedger::deferred_landed(const at::Tensor& param, PassId pass) {
@@ -222,13 +196,27 @@ void GradLedger::deferred_dropped(const std::vector<at::Tensor>& params, PassId 
   fire(firings);
 }
 
+void GradLedger::note_layer_ran(PassId pass, LayerId layer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto open = open_passes_.find(pass);
+  if (open == open_passes_.end()) return;
+  auto& layers = open->second.layers;
+  const auto at = std::lower_bound(layers.begin(), layers.end(), layer);
+  if (at == layers.end() || *at != layer) layers.insert(at, layer);
+}
+
 void GradLedger::autograd_pass_finished(PassId pass) {
   std::vector<Firing> firings;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     auto open = open_passes_.find(pass);
     if (open == open_passes_.end()) return;
-    std::vector<Key> keys = std::move(open->second);
+    std::vector<Key> keys = std::move(open->second.params);
+    // Complete now: every backward of the pass has run. Its parameters share one copy.
+    std::shared_ptr<const std::vector<LayerId>> layers_ran;
+    if (!open->second.layers.empty()) {
+      layers_ran = std::make_shared<const std::vector<LayerId>>(std::move(open->second.layers));
+    }
     open_passes_.erase(open);
     for (Key key : keys) {
       auto it = params_.find(key);
@@ -236,6 +224,7 @@ void GradLedger::autograd_pass_finished(PassId pass) {
       auto ps = find_pass(it->second, pass);
       if (ps == it->second.passes.end()) continue;
       ps->second.autograd_done = true;
+      ps->second.layers_ran = layers_ran;
       settle(key, pass, firings);
     }
   }
@@ -255,10 +244,10 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
   if (!ps->second.autograd_done || ps->second.owed > 0) return;
   const bool complete = !ps->second.incomplete;
   const PassId ps_pass = ps->first;
-  std::vector<LayerId> layers = std::move(ps->second.layers);
+  auto layers_ran = std::move(ps->second.layers_ran);
   state.passes.erase(ps);
   if (complete && !state.hooks.empty()) {
-    Firing firing{state.impl, ps_pass, std::move(layers), {}};
+    Firing firing{state.impl, ps_pass, std::move(layers_ran), {}};
     firing.hooks.reserve(state.hooks.size());
     for (const auto& hook : state.hooks) firing.hooks.push_back(hook.second);
     out.push_back(std::move(firing));
@@ -274,14 +263,14 @@ void GradLedger::settle(ParamIter it, PassIter ps, std::vector<Firing>& out) {
 
 namespace {
 thread_local std::optional<PassId> current_firing_pass;
-thread_local const std::vector<LayerId>* current_firing_layers = nullptr;
+thread_local const std::vector<LayerId>* current_firing_layers = nullptr;  // null: none ran
 }  // namespace
 
 std::optional<PassId> GradLedger::firing_pass() { return current_firing_pass; }
 
-const std::vector<LayerId>& GradLedger::firing_layers() {
-  static const std::vector<LayerId> none;
-  return current_firing_layers != nullptr ? *current_firing_layers : none;
+std::optional<bool> GradLedger::firing_layer_ran(LayerId layer) {
+  if (current_firing_layers == nullptr) return std::nullopt;
+  return std::binary_search(current_firing_layers->begin(), current_firing_layers->end(), layer);
 }
 
 void GradLedger::fire(std::vector<Firing>& firings) {
@@ -294,7 +283,7 @@ void GradLedger::fire(std::vector<Firing>& firings) {
     const at::Tensor param(firing.param.lock());
     if (!param.defined()) continue;  // freed since it settled: nothing to report on
     current_firing_pass = firing.pass;
-    current_firing_layers = &firing.layers;
+    current_firing_layers = firing.layers_ran.get();
     for (auto& hook : firing.hooks) {
       try {
         hook(param);

@@ -9,14 +9,16 @@
 //   - deferred wgrad items queued during pass k: they land one by one in backward_dw().
 // P's hooks fire for pass k when both are over: the graph task has ended and no deferred item of
 // pass k for P is outstanding. So each hook runs exactly once per pass, after the last
-// contribution. A contribution may name the splitgrad layer whose op made it; the hooks see which
-// layers did (firing_layers()), so a module's hook can tell its own passes from a tied
-// parameter's passes through other layers.
+// contribution. The ledger also notes which splitgrad layers' ops ran their backward in a pass, and
+// a hook sees them (firing_layer_ran()): a module's hook tells its own passes from those that
+// reach a tied parameter through other layers only.
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -57,9 +59,11 @@ class GradLedger {
   /// Inside a hook this ledger is running: the backward pass whose completion it reports; else
   /// nullopt (per thread).
   static std::optional<PassId> firing_pass();
-  /// Inside a hook this ledger is running: the layers that contributed to the parameter in that
-  /// pass (ids > 0, each once, in the order first seen); empty elsewhere (per thread).
-  static const std::vector<LayerId>& firing_layers();
+  /// Inside a hook this ledger is running: whether `layer`'s ops ran their backward in that pass
+  /// (note_layer_ran()); nullopt if no layer's did, or outside a hook (per thread).
+  static std::optional<bool> firing_layer_ran(LayerId layer);
+  /// Whether a hook was ever added (what note_layer_ran() is for), cheaply, without the lock.
+  bool hooks_registered() const { return hooks_registered_.load(std::memory_order_relaxed); }
   bool open_pass(PassId pass);
   /// Pass `pass` made (or will have made, by its end) an autograd contribution to `param`.
   void note_autograd_contribution(const at::Tensor& param, PassId pass);
@@ -72,16 +76,12 @@ class GradLedger {
   void deferred_dropped(const at::Tensor& param, PassId pass);
   /// The three above for each of `params` under one lock (a parameter listed twice counts twice):
   /// one item's targets at once. Hooks fire after every parameter has been counted.
-  /// `layer` > 0 names the layer whose op makes the contributions (firing_layers()).
-  void note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass,
-                                  LayerId layer = 0);
-  void expect_deferred(const std::vector<at::Tensor>& params, PassId pass, LayerId layer = 0);
-  /// `layer`'s op returned gradients of `params` to autograd in `pass` (AccumulateGrad adds them;
-  /// the grad-ready tensor hooks count them): recorded for the parameters with hooks only, the
-  /// others have nobody to tell.
-  void note_layer_contribution(const std::vector<at::Tensor>& params, PassId pass, LayerId layer);
+  void note_autograd_contribution(const std::vector<at::Tensor>& params, PassId pass);
+  void expect_deferred(const std::vector<at::Tensor>& params, PassId pass);
   void deferred_landed(const std::vector<at::Tensor>& params, PassId pass);
   void deferred_dropped(const std::vector<at::Tensor>& params, PassId pass);
+  /// `layer`'s op ran its backward in `pass`, an open pass (ignored otherwise).
+  void note_layer_ran(PassId pass, LayerId layer);
   /// The autograd part of `pass` is over (its graph task ended). Fires the hooks of every parameter
   /// of that pass that owes nothing more.
   void autograd_pass_finished(PassId pass);
@@ -103,8 +103,9 @@ class GradLedger {
   struct PassState {
     int64_t owed = 0;  // deferred items queued and not yet landed or dropped
     bool autograd_done = false;
-    bool incomplete = false;      // a contribution was dropped: do not fire for this pass
-    std::vector<LayerId> layers;  // the layers whose ops contributed (usually one)
+    bool incomplete = false;  // a contribution was dropped: do not fire for this pass
+    // The layers whose ops ran in the pass (sorted), shared by its parameters from its end on.
+    std::shared_ptr<const std::vector<LayerId>> layers_ran;
   };
   // A parameter's state stays once it is empty (no pass, hook or drop: every step's passes settle
   // and reopen it, and erasing and re-creating it was most of the ledger's host time), but without
@@ -126,7 +127,7 @@ class GradLedger {
   struct Firing {
     WeakTensor param;
     PassId pass;
-    std::vector<LayerId> layers;
+    std::shared_ptr<const std::vector<LayerId>> layers_ran;
     std::vector<GradReadyHook> hooks;
   };
 
@@ -137,7 +138,6 @@ class GradLedger {
 
   ParamState& state_for(const at::Tensor& param);               // requires mutex_
   PassState& pass_state(const at::Tensor& param, PassId pass);  // requires mutex_
-  static void add_layer(PassState& state, LayerId layer);
   // One deferred contribution of `pass` to `param` landed.
   void landed_locked(const at::Tensor& param, PassId pass, std::vector<Firing>& out);
   // Collects the hooks to fire for (param, pass) if it owes nothing; erases settled state.
@@ -152,7 +152,12 @@ class GradLedger {
   mutable std::mutex mutex_;
   std::unordered_map<Key, ParamState> params_;
   size_t sweep_at_ = 64;  // params_'s size that triggers the next sweep
-  std::unordered_map<PassId, std::vector<Key>> open_passes_;  // pass -> params touched by it
+  struct OpenPass {
+    std::vector<Key> params;      // touched by it
+    std::vector<LayerId> layers;  // whose ops ran in it, sorted
+  };
+  std::unordered_map<PassId, OpenPass> open_passes_;
+  std::atomic<bool> hooks_registered_{false};
   uint64_t next_hook_key_ = 1;
 };
 

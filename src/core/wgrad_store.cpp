@@ -89,6 +89,18 @@ bool WgradStore::is_registered(LayerId layer) const {
   return queues_.count(layer) != 0;
 }
 
+void WgradStore::note_ran_untracked(LayerId layer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = queues_.find(layer);
+  if (it != queues_.end()) it->second.ran_untracked = true;
+}
+
+bool WgradStore::ran_untracked(LayerId layer) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = queues_.find(layer);
+  return it != queues_.end() && it->second.ran_untracked;
+}
+
 void WgradStore::push(DeferredWgrad item) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = queues_.find(item.layer);

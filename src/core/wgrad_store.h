@@ -95,6 +95,10 @@ class WgradStore {
   /// The layer's name (also after release), or "<unregistered layer N>" for an id never issued.
   std::string layer_name(LayerId layer) const;
   bool is_registered(LayerId layer) const;
+  /// The layer ran where its backward is not its op's own (a traced or captured graph, a
+  /// torch.func transform): the ledger cannot name it there. Ignored for an unregistered layer.
+  void note_ran_untracked(LayerId layer);
+  bool ran_untracked(LayerId layer) const;
 
   /// Queues an item at the back of its layer's FIFO. The layer must be registered.
   void push(DeferredWgrad item);
@@ -130,6 +134,7 @@ class WgradStore {
   struct LayerQueue {
     std::deque<DeferredWgrad> items;              // in queue order
     std::unordered_map<PassId, size_t> per_pass;  // items per pass, so a take is O(its items)
+    bool ran_untracked = false;
   };
   std::vector<DeferredWgrad> take_pass_locked(LayerQueue& queue, PassId pass);  // requires mutex_
   static bool feeds(const DeferredWgrad& item, const std::vector<at::Tensor>& params);

@@ -574,6 +574,17 @@ bool is_traced(const at::Tensor& t) {
          t.key_set().has(c10::DispatchKey::Python);
 }
 
+void note_layer_forward(core::LayerId layer, const at::Tensor& input) {
+  if (layer > 0 && is_traced(input)) WgradStore::instance().note_ran_untracked(layer);
+}
+
+void note_layer_backward(core::LayerId layer) {
+  auto& ledger = GradLedger::instance();
+  if (layer <= 0 || !ledger.hooks_registered()) return;  // nobody to tell
+  PassScope pass;
+  ledger.note_layer_ran(pass.id(), layer);
+}
+
 bool defers_wgrad(bool delay, core::LayerId layer) {
   return delay && WgradStore::instance().is_registered(layer);
 }
@@ -749,7 +760,7 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
   item.pass = pass.id();
   auto& ledger = GradLedger::instance();
   if (!delay) {  // regular and fused: straight into main_grad, nothing for autograd to add
-    ledger.note_autograd_contribution(item.targets(), pass.id(), layer);
+    ledger.note_autograd_contribution(item.targets(), pass.id());
     const ReferenceBatch::Reentry reentry;
     const std::string nan = add_to_sinks(
         layer, gemm, sinks, grouped, anomaly_checks_nan(), "the fused weight gradient",
@@ -801,21 +812,8 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
     item.autocast_enabled = at::autocast::is_autocast_enabled(device);
     item.autocast_dtype = at::autocast::get_autocast_dtype(device);
   }
-  ledger.expect_deferred(item.targets(), pass.id(), layer);
+  ledger.expect_deferred(item.targets(), pass.id());
   WgradStore::instance().push(std::move(item));
-}
-
-void note_returned_gradients(core::LayerId layer, const std::vector<at::Tensor>& params) {
-  if (layer <= 0) return;
-  auto& ledger = GradLedger::instance();
-  std::vector<at::Tensor> sinks;  // those with hooks: the others have nobody to tell
-  for (const at::Tensor& param : params) {
-    if (param.defined() && ledger.hook_count(param) > 0 && pass_accumulates_into(param))
-      sinks.push_back(param);
-  }
-  if (sinks.empty()) return;  // the pass is not opened for nothing
-  PassScope pass;
-  ledger.note_layer_contribution(sinks, pass.id(), layer);
 }
 
 }  // namespace detail
@@ -1459,6 +1457,10 @@ void LayerHandle::backward_dw() {
   run(std::move(items), batch.id, OnStale::kDropAll);
 }
 
+bool LayerHandle::ran_untracked() const { return WgradStore::instance().ran_untracked(id_); }
+
+void LayerHandle::note_ran_untracked() { WgradStore::instance().note_ran_untracked(id_); }
+
 std::vector<int64_t> LayerHandle::pending_passes() const {
   return WgradStore::instance().pending_passes(id_);
 }
@@ -1549,7 +1551,9 @@ struct GradReadyHookHandle::State {
 
 std::optional<int64_t> grad_ready_pass() { return GradLedger::firing_pass(); }
 
-std::vector<int64_t> grad_ready_layers() { return GradLedger::firing_layers(); }
+std::optional<bool> grad_ready_layer_ran(int64_t layer) {
+  return GradLedger::firing_layer_ran(layer);
+}
 
 GradReadyHookHandle register_grad_ready_hook(const at::Tensor& param, GradReadyHook hook) {
   TORCH_CHECK_VALUE(param.defined(),

@@ -120,6 +120,14 @@ at::Tensor refuse_second_order_weight_grad(Who who, const at::Tensor& weight);
 /// or stash.
 bool is_traced(const at::Tensor& t);
 
+/// A forward of `layer`'s op with `input`: one traced into a graph (is_traced) is noted
+/// (WgradStore::note_ran_untracked), since the graph's backward will not be the op's own.
+void note_layer_forward(core::LayerId layer, const at::Tensor& input);
+
+/// A backward of `layer`'s op runs in the current pass: the grad-ready hooks of the pass learn it
+/// (grad_ready_layer_ran()). Nothing is noted while no grad-ready hook exists.
+void note_layer_backward(core::LayerId layer);
+
 /// Whether a backward of `layer` built with delay_wgrad_compute=`delay` queues its weight
 /// gradients: not where the layer was deleted since its forward (nothing could run them later,
 /// and its parameters may live on), which computes them at once, as the regular path does.
@@ -138,12 +146,6 @@ void accumulate_or_defer(core::LayerId layer, bool delay, const at::Tensor& grad
                          const std::vector<WgradSinks>& sinks, const char* module,
                          const std::string& input_activation = std::string(),
                          const std::string& gemm = std::string());
-
-/// A backward of `layer` returns gradients of `params` (those it was asked for; undefined ones are
-/// skipped) to autograd, which adds them to the .grads: the grad-ready hooks of that pass learn
-/// that `layer` contributed (GradLedger::firing_layers()), as they do for its fused and deferred
-/// gradients through accumulate_or_defer.
-void note_returned_gradients(core::LayerId layer, const std::vector<at::Tensor>& params);
 
 /// The stream current on `t`'s device (the CPU's default stream for CPU tensors).
 c10::Stream current_stream_of(const at::Tensor& t);

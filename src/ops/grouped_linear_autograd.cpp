@@ -143,6 +143,7 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const std::optional<at::ScalarType> compute_dtype = AutocastComputeDtype::current();
     check_layer_args(layer_id, delay, input, m_splits, weights, biases, weight_main_grads,
                      bias_main_grads, lazy_main_grad, compute_dtype);
+    note_layer_forward(layer_id, input);
     // The splits as they are now (a few integers): a per-expert model splits its rows at the
     // forward, so a router's counts buffer refilled before the backward must not change it.
     std::vector<at::Tensor> saved{input, m_splits.clone()};
@@ -190,6 +191,7 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
     const size_t weight_slot = 2, bias_slot = 2 + groups;
     const at::Tensor& grad_output = grad_outputs[0];
     if (!grad_output.defined()) return grads;
+    note_layer_backward(layer);
     std::vector<char> weight_wanted(groups), bias_wanted(groups);
     bool any_wanted = false, any_bias_wanted = false;
     for (size_t i = 0; i < groups; ++i) {
@@ -199,15 +201,6 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       any_wanted |= weight_wanted[i] || bias_wanted[i];
       any_bias_wanted |= static_cast<bool>(bias_wanted[i]);
     }
-
-    auto wanted_params = [&] {  // for the ledger: the gradients returned to autograd
-      std::vector<at::Tensor> params;
-      for (size_t i = 0; i < groups; ++i) {
-        if (weight_wanted[i]) params.push_back(weights[i]);
-        if (bias_wanted[i]) params.push_back(biases[i]);
-      }
-      return params;
-    };
 
     // autograd.grad(is_grads_batched=True) and jacobian(vectorize=True) run this backward under
     // the legacy vmap (torch.func's vmap also reaches here), whose fallback cannot batch ops
@@ -246,7 +239,6 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       }
       sum_tied_in_reverse(grads, weight_slot, weights);
       sum_tied_in_reverse(grads, bias_slot, biases);
-      note_returned_gradients(layer, wanted_params());
       return grads;
     }
     if (ctx->needs_input_grad(0)) {
@@ -280,7 +272,6 @@ class GroupedLinearFunction : public torch::autograd::Function<GroupedLinearFunc
       }
       sum_tied_in_reverse(grads, weight_slot, weights);
       sum_tied_in_reverse(grads, bias_slot, biases);
-      note_returned_gradients(layer, wanted_params());
       return grads;
     }
     if (any_returned) {

@@ -91,6 +91,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     const std::string gemm = string_or_empty(gemm_name);
     check_layer_args(layer_id, delay, input, weight, bias, weight_main_grad, bias_main_grad,
                      lazy_main_grad, compute_dtype, activation, gemm);
+    note_layer_forward(layer_id, input);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     const at::Tensor gemm_input = activation.empty() ? input : ops::activation(input, activation);
     ctx->save_for_backward({input, weight});
@@ -130,6 +131,7 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     };
     variable_list grads(10);  // one per forward argument
     if (!grad_output.defined()) return grads;
+    note_layer_backward(layer);
     // needs_input_grad is false for a parameter frozen at the forward (no edge to it) and for one
     // this pass does not ask for (autograd.grad or backward(inputs=...) without it).
     const bool weight_wanted = ctx->needs_input_grad(1) && weight_param.requires_grad();
@@ -165,8 +167,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
         grads[1] = at::mm(dy.t(), flatten_tokens(x));
       }
       if (bias_wanted) grads[2] = dy.sum(0);
-      note_returned_gradients(
-          layer, {weight_wanted ? weight_param : at::Tensor(), bias_wanted ? bias : at::Tensor()});
       return grads;
     }
     if (ctx->needs_input_grad(0)) {
@@ -193,8 +193,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
       auto [weight_grad, bias_grad] = ops::linear_wgrad(grad_output, gemm_input(), bias_wanted);
       if (weight_wanted) grads[1] = weight_grad;
       if (bias_wanted) grads[2] = bias_grad;
-      note_returned_gradients(
-          layer, {weight_wanted ? weight_param : at::Tensor(), bias_wanted ? bias : at::Tensor()});
       return grads;
     }
     if ((weight_wanted && !weight_sink) || (bias_wanted && !bias_sink)) {

@@ -117,6 +117,8 @@ PYBIND11_MODULE(_C, m) {
              END_HANDLE_TH_ERRORS_PYBIND
            })
       .def("pending_passes", &splitgrad::LayerHandle::pending_passes)
+      .def_property_readonly("ran_untracked", &splitgrad::LayerHandle::ran_untracked)
+      .def("note_ran_untracked", &splitgrad::LayerHandle::note_ran_untracked)
       .def(
           "backward_dw_pass",
           [](splitgrad::LayerHandle& self, int64_t pass) {
@@ -255,7 +257,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("param"), py::arg("hook"));
   m.def("grad_ready_pass", &splitgrad::grad_ready_pass,
         "Inside a grad-ready hook, the id of the backward pass it reports on; else None.");
-  m.def("grad_ready_layers", &splitgrad::grad_ready_layers,
-        "Inside a grad-ready hook, the ids of the splitgrad layers whose ops contributed to the "
-        "parameter in that pass; else [].");
+  m.def("grad_ready_layer_ran", &splitgrad::grad_ready_layer_ran, py::arg("layer_id"),
+        "Inside a grad-ready hook, whether the layer's ops ran their backward in that pass; None "
+        "if no splitgrad layer's did, and outside a hook.");
 }

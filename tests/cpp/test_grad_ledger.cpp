@@ -11,8 +11,10 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/grad_ledger.h"
@@ -94,28 +96,34 @@ TEST_F(GradLedgerTest, DeferredLandingBeforeThePassEndsWaitsForTheEnd) {
   EXPECT_EQ(*calls, 1);
 }
 
-TEST_F(GradLedgerTest, HooksSeeTheLayersThatContributedInTheirPass) {
+TEST_F(GradLedgerTest, HooksSeeWhichLayersRanInTheirPass) {
   at::Tensor p = torch::zeros({3});
-  at::Tensor unhooked = torch::zeros({3});
-  std::vector<std::vector<int64_t>> seen;
-  ledger().add_hook(p, [&](const at::Tensor&) { seen.push_back(GradLedger::firing_layers()); });
-  EXPECT_TRUE(GradLedger::firing_layers().empty()) << "outside a hook";
+  std::vector<std::pair<std::optional<bool>, std::optional<bool>>> seen;  // layers 7 and 3
+  ledger().add_hook(p, [&](const at::Tensor&) {
+    seen.emplace_back(GradLedger::firing_layer_ran(7), GradLedger::firing_layer_ran(3));
+  });
+  EXPECT_TRUE(ledger().hooks_registered());
+  EXPECT_FALSE(GradLedger::firing_layer_ran(7).has_value()) << "outside a hook";
 
-  ledger().open_pass(kPassA);  // layer 7 deferred, layer 3 returned to autograd, 7 again
-  ledger().expect_deferred(std::vector<at::Tensor>{p}, kPassA, /*layer=*/7);
-  ledger().note_layer_contribution({p, unhooked}, kPassA, /*layer=*/3);
-  ledger().note_autograd_contribution(std::vector<at::Tensor>{p}, kPassA, /*layer=*/7);
-  ledger().open_pass(kPassB);  // only an ordinary op: no layer
+  ledger().open_pass(kPassA);  // layer 7 ran (twice) and queued work; p's gradient via autograd
+  ledger().note_layer_ran(kPassA, 7);
+  ledger().expect_deferred(p, kPassA);
+  ledger().note_layer_ran(kPassA, 7);
+  ledger().open_pass(kPassB);  // only ordinary ops: no layer ran
   ledger().note_autograd_contribution(p, kPassB);
-  ledger().autograd_pass_finished(kPassB);
-  ledger().autograd_pass_finished(kPassA);
-  ledger().deferred_landed(p, kPassA);
-  ASSERT_EQ(seen.size(), 2u);
-  EXPECT_TRUE(seen[0].empty()) << "pass B named no layer";
-  EXPECT_EQ(seen[1], (std::vector<int64_t>{7, 3})) << "each layer once, in the order first seen";
-  EXPECT_TRUE(GradLedger::firing_layers().empty());
-  EXPECT_EQ(ledger().tracked_params(), 1u)
-      << "a parameter without hooks gets no state from a returned gradient";
+  ledger().open_pass(kPassC);  // layer 3 ran, but p's gradient is not its
+  ledger().note_layer_ran(kPassC, 3);
+  ledger().note_autograd_contribution(p, kPassC);
+  ledger().note_layer_ran(kPassA + 100, 3);  // a pass never opened: ignored
+  for (PassId pass : {kPassB, kPassC, kPassA}) ledger().autograd_pass_finished(pass);
+  ASSERT_EQ(seen.size(), 2u) << "A still owes its deferred item";
+  EXPECT_EQ(seen[0], std::make_pair(std::optional<bool>(), std::optional<bool>()))
+      << "pass B: no layer ran";
+  EXPECT_EQ(seen[1], std::make_pair(std::optional<bool>(false), std::optional<bool>(true)));
+  ledger().deferred_landed(p, kPassA);  // after its end: still known
+  ASSERT_EQ(seen.size(), 3u);
+  EXPECT_EQ(seen[2], std::make_pair(std::optional<bool>(true), std::optional<bool>(false)));
+  EXPECT_FALSE(GradLedger::firing_layer_ran(7).has_value());
 }
 
 TEST_F(GradLedgerTest, EachParameterFiresOnItsOwn) {

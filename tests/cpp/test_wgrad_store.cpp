@@ -80,6 +80,18 @@ TEST_F(WgradStoreTest, RegisterRenameRelease) {
   EXPECT_FALSE(store().is_registered(0)) << "0 is 'no layer'";
 }
 
+TEST_F(WgradStoreTest, RanUntrackedIsNotedPerRegisteredLayer) {
+  const LayerId a = layer("fc_a");
+  const LayerId b = layer("fc_b");
+  store().note_ran_untracked(a);
+  EXPECT_TRUE(store().ran_untracked(a));
+  EXPECT_FALSE(store().ran_untracked(b));
+  store().release_layer(a);
+  EXPECT_FALSE(store().ran_untracked(a)) << "forgotten with the layer";
+  store().note_ran_untracked(a);  // unregistered: ignored
+  EXPECT_FALSE(store().ran_untracked(a));
+}
+
 TEST_F(WgradStoreTest, PushToAnUnregisteredLayerThrowsAndQueuesNothing) {
   const LayerId a = layer("fc_gone");
   store().release_layer(a);

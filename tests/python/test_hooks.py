@@ -2,6 +2,9 @@
 ``param`` (immediate or deferred, from any layer) has landed, when ``param``'s gradient already
 equals plain autograd's."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -354,20 +357,98 @@ def test_te_style_hook_skips_a_pass_that_reaches_all_its_parameters_through_anot
         torch.testing.assert_close(calls_m[-1][name], p.grad)
 
 
-def test_te_style_hook_of_a_compiled_module_fires_once_per_pass():
-    """Inside a compiled graph the module's ops do not run as such, so its passes name no layer:
-    such a pass counts as the module's, and its hook still fires once per pass."""
+@pytest.mark.parametrize("tie", ["all", "weight"])
+@pytest.mark.parametrize("delay_n", [True, False], ids=["n delayed", "n regular"])
+def test_te_style_hook_of_a_compiled_module_fires_once_per_pass(tie, delay_n):
+    """Inside a compiled graph the module's ops do not run as such: its passes cannot name it, and
+    count as its own, also when an eager layer tied to it runs in the same pass."""
+    m, n = linear(False, name="m"), linear(delay_n, name="n")
+    n.weight = m.weight
+    if tie == "all":
+        n.bias = m.bias
+    calls = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(m.weight.grad.clone()))
+    reference_m, reference_n = to_reference(nn.ModuleList([m, n]))
+    compiled = torch.compile(m, backend="aot_eager")
+    xs, gys = make_data(2, (4, D), D)
+    compiled(xs[0]).backward(gys[0])  # m alone
+    assert len(calls) == 1
+    assert m._layer.ran_untracked and not n._layer.ran_untracked
+    n(compiled(xs[1])).backward(gys[1])  # both
+    if delay_n:
+        assert len(calls) == 1, "not before n's deferred part of the tied weight"
+        n.backward_dw()
+    assert len(calls) == 2
+    reference_m(xs[0]).backward(gys[0])
+    reference_n(reference_m(xs[1])).backward(gys[1])
+    torch.testing.assert_close(calls[-1], reference_m.weight.grad)
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_te_style_hook_of_a_module_training_only_its_norm(delay):
+    """A LayerNormLinear whose GEMM parameters are frozen: its trainable parameters are the norm's,
+    whose gradients come from an ordinary op. Its passes are those that ran its GEMM's backward
+    (for the norm's input gradient); a pass of another layer sharing its norm is not."""
+    m = splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=delay)
+    n = splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=delay)
+    m.weight.requires_grad_(False)
+    m.bias.requires_grad_(False)
+    n.layer_norm_weight, n.layer_norm_bias = m.layer_norm_weight, m.layer_norm_bias
+    calls = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(1))
+    x = torch.randn(4, D)
+    n(x).sum().backward()
+    if delay:
+        n.backward_dw()
+    assert calls == []
+    m(x).sum().backward()  # nothing deferred: the GEMM's parameters are frozen
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("delay", [True, False], ids=["delayed", "regular"])
+def test_te_style_hook_goes_with_its_deleted_module(delay):
+    """A module deleted while another layer keeps its parameters: its hooks are removed with it
+    (the layer holding the parameters now runs no pass of it), and what they hold is freed."""
+    m, n = linear(delay, name="m"), linear(delay, name="n")
+    n.weight, n.bias = m.weight, m.bias
+    held = nn.Linear(1, 1)
+    calls = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(held))
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda p: calls.append(held))
+    alive = weakref.ref(held)
+    del m, held
+    gc.collect()
+    x = torch.randn(4, D)
+    n(x).sum().backward()
+    if delay:
+        n.backward_dw()
+    assert calls == [] and alive() is None
+
+
+def test_te_style_hook_fires_after_the_module_was_exported():
+    """torch.export traces the forward with fake parameters; the hooks stay on the real ones."""
     layer = linear(False)
     calls = []
-    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(layer.weight.grad.clone()))
-    reference = to_reference(layer)
-    compiled = torch.compile(layer, backend="aot_eager")
-    xs, gys = make_data(2, (4, D), D)
-    for step, (x, gy) in enumerate(zip(xs, gys)):
-        compiled(x).backward(gy)
-        reference(x).backward(gy)
-        assert len(calls) == step + 1
-        torch.testing.assert_close(calls[-1], reference.weight.grad)
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(1))
+    x = torch.randn(4, D)
+    torch.export.export(layer, (x,))
+    layer(x).sum().backward()
+    assert calls == [1]
+
+
+def test_te_style_hook_of_a_delayed_layernorm_module_with_many_passes_outstanding():
+    """The norm's gradients are ready at each backward, the GEMM's at each backward_dw(): with a
+    hundred passes outstanding, every one still calls the hook once."""
+    layer = splitgrad.LayerNormLinear(D, D, device="cpu", delay_wgrad_compute=True)
+    calls = []
+    layer.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(1))
+    x = torch.randn(4, D)
+    for _ in range(100):
+        layer(x).sum().backward()
+    assert calls == []
+    for _ in range(100):
+        layer.backward_dw()
+    assert len(calls) == 100
 
 
 def test_te_style_hook_keeps_a_pass_under_way_across_re_tying():
