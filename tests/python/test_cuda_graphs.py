@@ -198,3 +198,21 @@ def test_grad_reducer_step_under_a_graph():
     assert result["launches_at_capture"] > 0
     assert result["launches_during_replays"] == 0
     assert result["identical"], result
+
+
+def test_te_style_hook_of_a_graphed_layer_tied_to_an_eager_one():
+    """make_graphed_callables replays the layer's backward without its op, so its passes cannot name
+    it: the capture marks it (ran_untracked), and a pass through the graphed layer and an eager
+    layer holding all its parameters still calls its no-argument hook once."""
+    m = splitgrad.Linear(WIDTH, WIDTH, device="cuda")
+    n = splitgrad.Linear(WIDTH, WIDTH, device="cuda")
+    n.weight, n.bias = m.weight, m.bias
+    calls = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: calls.append(m.weight.grad.clone()))
+    x = torch.randn(TOKENS, WIDTH, device="cuda", requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(m, (x,))
+    assert m._layer.ran_untracked and not n._layer.ran_untracked
+    assert calls == [], "warm-up and capture take gradients with autograd.grad"
+    n(graphed(x)).sum().backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(calls[0], m.weight.grad, rtol=0, atol=0)
